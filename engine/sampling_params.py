@@ -1,0 +1,63 @@
+"""How a request wants its tokens chosen and when it stops.
+
+The server validates user input and turns it into a `SamplingParams`; `validate()` is the engine's own
+last line of defence and raises `ValueError` (which the server maps to a 400), never `AssertionError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob plus top k
+    prompt_logprobs: int | None = None  # same, for prompt tokens (completions echo + logprobs)
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if k is not None and not 0 <= k <= 20:
+                raise ValueError(f"{name} must be between 0 and 20, got {k}")
