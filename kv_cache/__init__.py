@@ -1,1 +1,27 @@
-"""kv_cache"""
+"""kv_cache: prefix-cached paged KV block accounting (torch-free).
+
+The device tensors live in `kv_cache.kv_store`, which imports torch; import it explicitly. Nothing here may
+import it, so that the scheduler and its tests run without torch.
+"""
+
+from kv_cache.block_pool import BlockPool
+from kv_cache.hashing import HASH_ALGOS, BlockHash, BlockHasher, get_hash_fn, init_none_hash
+from kv_cache.manager import CacheRequest, ComputedBlocks, KVCacheManager
+from kv_cache.stats import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, PrefixCacheStats
+
+__all__ = [
+    "HASH_ALGOS",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheRequest",
+    "ComputedBlocks",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "get_hash_fn",
+    "init_none_hash",
+]

@@ -1,0 +1,152 @@
+"""The block pool: every block's ref count and hash, the LRU free queue and the hash -> block map.
+
+Blocks are ints `0 .. num_blocks - 1`; their state lives in parallel lists indexed by block id (cheaper than an
+object per block on the scheduler's hot path). Rules the pool keeps:
+- A block is in the free queue exactly when its ref count is 0. A free block may still hold a hash (its KV
+  data is intact): a prefix hit can revive it (`touch`) until allocation reuses it.
+- `take(n)` pops the queue's head (least recently freed) and drops the block's old hash only then.
+- `free(ids)` appends blocks whose ref count drops to 0 to the tail, in the order given; the manager passes a
+  request's blocks in reverse so that the deepest block of a chain is evicted first.
+- One hash may be held by several blocks (two requests that computed the same prefix without sharing it);
+  lookups return the first one cached.
+Every block returned by take() must be freed exactly once per reference taken (take or touch).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kv_cache.hashing import BlockHash
+from kv_cache.stats import AllBlocksCleared, BlockRemoved, KVCacheEvent
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, events: list[KVCacheEvent] | None = None) -> None:
+        """`events`: a list to append BlockRemoved / AllBlocksCleared to, or None to record none."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # OrderedDict as an LRU queue: O(1) pop at the head, append at the tail and removal from the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        # Further blocks holding a hash that is already in _cached (rare), so the common lookup stays one dict get.
+        self._dups: dict[BlockHash, list[int]] = {}
+        self.num_cached_blocks = 0
+        self.num_evictions = 0  # cumulative; the manager turns it into per-interval stats
+        self._events = events
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next to be allocated) first."""
+        return list(self._free)
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        return self._cached.get(block_hash)
+
+    def take(self, n: int) -> list[int]:
+        """Allocate `n` blocks (ref count 1) from the head of the free queue. The caller checks n <= free."""
+        if n > len(self._free):
+            raise ValueError(f"cannot take {n} blocks: only {len(self._free)} free")
+        popitem = self._free.popitem
+        ids = [popitem(last=False)[0] for _ in range(n)]
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
+        removed: list[BlockHash] = []
+        for b in ids:
+            ref_cnt[b] = 1
+            if block_hash[b] is not None:
+                self._evict(b, removed)
+        if removed and self._events is not None:
+            self._events.append(BlockRemoved(removed))
+        return ids
+
+    def _evict(self, b: int, removed: list[BlockHash]) -> None:
+        h = self.block_hash[b]
+        assert h is not None
+        self.block_hash[b] = None
+        self.num_cached_blocks -= 1
+        self.num_evictions += 1
+        dups = self._dups.get(h)
+        if self._cached[h] == b:
+            if dups:
+                self._cached[h] = dups.pop(0)
+            else:
+                del self._cached[h]
+                removed.append(h)
+        else:
+            assert dups is not None
+            dups.remove(b)
+        if dups is not None and not dups:
+            del self._dups[h]
+
+    def touch(self, ids: Iterable[int]) -> None:
+        """Take one more reference to each block, reviving free ones (out of the free queue)."""
+        ref_cnt = self.ref_cnt
+        free = self._free
+        for b in ids:
+            if ref_cnt[b] == 0:
+                del free[b]
+            ref_cnt[b] += 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Drop one reference to each block; blocks reaching 0 go to the queue's tail in the order given."""
+        ref_cnt = self.ref_cnt
+        free = self._free
+        for b in ids:
+            ref_cnt[b] -= 1
+            if ref_cnt[b] == 0:
+                free[b] = None
+
+    def cache(self, ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Give each block (in use, holding no hash) its hash and make it findable."""
+        block_hash = self.block_hash
+        cached = self._cached
+        for b, h in zip(ids, hashes, strict=True):
+            block_hash[b] = h
+            if h in cached:
+                self._dups.setdefault(h, []).append(b)
+            else:
+                cached[h] = b
+        self.num_cached_blocks += len(ids)
+
+    def reset(self) -> bool:
+        """Drop every hash; refused (False, nothing changed) while any block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self.block_hash[:] = [None] * self.num_blocks  # in place: callers may hold the list
+        self._cached.clear()
+        self._dups.clear()
+        self.num_cached_blocks = 0
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def check_invariants(self, held: Iterable[Sequence[int]]) -> None:
+        """Raise AssertionError unless ref counts equal the references in `held` (every request's block
+        table), the free queue holds exactly the unreferenced blocks, and the hash map matches the hashes."""
+        n = self.num_blocks
+        expected = [0] * n
+        for ids in held:
+            assert len(set(ids)) == len(ids), f"a block table lists a block twice: {ids}"
+            for b in ids:
+                expected[b] += 1
+        assert len(self.ref_cnt) == n and len(self.block_hash) == n
+        assert self.ref_cnt == expected, f"ref counts {self.ref_cnt} != references held {expected}"
+        free = list(self._free)
+        assert sorted(free) == [b for b in range(n) if expected[b] == 0], "free queue != unreferenced blocks"
+        holders: dict[BlockHash, list[int]] = {}
+        for b, h in enumerate(self.block_hash):
+            if h is not None:
+                holders.setdefault(h, []).append(b)
+        assert self.num_cached_blocks == sum(map(len, holders.values())), "num_cached_blocks is off"
+        assert set(self._cached) == set(holders), "hash map keys != hashes held by blocks"
+        for h, bs in holders.items():
+            mapped = [self._cached[h], *self._dups.get(h, [])]
+            assert sorted(mapped) == bs, f"hash map lists {mapped} for a hash held by blocks {bs}"
+        assert set(self._dups) <= set(self._cached) and all(self._dups.values()), "stale duplicate entries"

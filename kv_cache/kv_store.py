@@ -1,0 +1,148 @@
+"""KVStore: the device tensors that hold the KV pages, and how many pages a memory budget buys.
+
+The only kv_cache module that imports torch (kv_cache/__init__.py does not import it). Layout per layer:
+`k_caches[layer]`, `v_caches[layer]`: [num_blocks, block_size, num_kv_heads, head_dim]. Token `offset` of block
+`block_id` lives at slot `block_id * block_size + offset`, i.e. row `slot` of the flat view
+[num_blocks * block_size, num_kv_heads, head_dim], which is how write() addresses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from decimal import Decimal, InvalidOperation
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_memory(text: str) -> int:
+    """Bytes in "2GiB", "512MiB", "1.5GB", "1000000" (units are case-insensitive: B, KB/MB/GB/TB powers of
+    1000, KiB/MiB/GiB/TiB or Ki/Mi/Gi/Ti powers of 1024). Fractions of a byte are dropped. ValueError otherwise."""
+    m = _MEMORY_RE.fullmatch(text) if isinstance(text, str) else None
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise ValueError(f"invalid memory size {text!r}: expected e.g. '2GiB', '512MiB', '1.5GB' or bytes")
+    try:
+        return int(Decimal(m.group(1)) * unit)
+    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
+        raise ValueError(f"invalid memory size {text!r}") from e
+
+
+def _bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize  # 2: K and V
+
+
+class KVStore:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) < 1:
+            raise ValueError(
+                f"KV cache dimensions must be >= 1: layers={num_layers} blocks={num_blocks} "
+                f"block_size={block_size} kv_heads={num_kv_heads} head_dim={head_dim}"
+            )
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: a bug that reads an unwritten slot then gives zeros, not NaNs from stale memory.
+        self.k_caches: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_caches: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.bytes_per_block = _bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens fit (%d layers, %d KV heads x %d, %s on %s: %.1f MiB)",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            str(dtype).removeprefix("torch."),
+            self.device,
+            num_blocks * self.bytes_per_block / 2**20,
+        )
+
+    @staticmethod
+    def num_blocks_for_budget(
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many whole blocks (K and V of every layer) fit in `budget_bytes`; may be 0."""
+        if budget_bytes < 0:
+            raise ValueError(f"memory budget must be >= 0 bytes, got {budget_bytes}")
+        return budget_bytes // _bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVStore:
+        """A store with as many blocks as `budget_bytes` holds; ValueError when not even one fits."""
+        n = cls.num_blocks_for_budget(budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype)
+        if n < 1:
+            need = _bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+            raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({need} bytes)")
+        return cls(num_layers, n, block_size, num_kv_heads, head_dim, dtype, device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store K/V of `num_tokens` tokens into their slots.
+
+        k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] integer slots (block_id *
+        block_size + offset), on the store's device, each distinct (duplicate slots write in undefined order).
+        """
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+        rows = self.num_blocks * self.block_size
+        # k_caches[layer]: [num_blocks, block_size, H, D] -> flat [num_slots, H, D] (a view: contiguous)
+        self.k_caches[layer].view(rows, self.num_kv_heads, self.head_dim).index_copy_(
+            0, slots, k.to(self.dtype)
+        )
+        self.v_caches[layer].view(rows, self.num_kv_heads, self.head_dim).index_copy_(
+            0, slots, v.to(self.dtype)
+        )

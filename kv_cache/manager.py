@@ -1,0 +1,217 @@
+"""KVCacheManager: the scheduler's view of the KV cache (which blocks each request holds, prefix hits,
+allocation, freeing, stats, events). Pure Python accounting over a BlockPool; it never touches a tensor.
+
+Rules a caller keeps:
+- A request is looked up with get_computed_blocks() when it is (re)scheduled from waiting, and the result is
+  passed to the very next allocate_slots() for that request, with no other allocation in between (the hit
+  blocks take no reference until then, so another allocation could reuse them).
+- Hit blocks are only given to a request that holds no blocks and has computed nothing (a new request, or one
+  whose blocks were freed on preemption).
+- Every request that got blocks is freed exactly once with free() (finished, aborted or preempted).
+- request.block_hashes is kept current by the request's BlockHasher (make_hasher) as tokens are appended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kv_cache.block_pool import BlockPool
+from kv_cache.hashing import BlockHash, BlockHasher, get_hash_fn, init_none_hash
+from kv_cache.stats import BlockStored, KVCacheEvent, PrefixCacheStats
+
+
+class CacheRequest(Protocol):
+    """What the manager reads from a request (engine.Request satisfies it)."""
+
+    request_id: str
+    all_token_ids: list[int]  # prompt + generated
+    num_computed_tokens: int
+    block_hashes: list[BlockHash]  # kept current by a BlockHasher (empty when caching is off)
+    skip_reading_prefix_cache: bool  # True when prompt logprobs are asked for
+    num_preemptions: int  # > 0 once the request has been preempted
+
+    @property
+    def num_tokens(self) -> int:  # == len(all_token_ids)
+        ...
+
+
+@dataclass(slots=True)
+class ComputedBlocks:
+    block_ids: list[int]
+    num_tokens: int  # len(block_ids) * block_size
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        enable_events: bool = False,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self.hash_fn = get_hash_fn(hash_algo)  # validates the name even when caching is off
+        self.none_hash: BlockHash = init_none_hash(self.hash_fn)
+        self._events: list[KVCacheEvent] | None = [] if enable_events else None
+        self.block_pool = BlockPool(num_blocks, self._events)
+        self._req_blocks: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}  # request id -> how many of its leading blocks are cached
+        self._stats = PrefixCacheStats()
+        self._evictions_reported = 0
+
+    def make_hasher(
+        self, cache_salt: str | None = None, *, lora_name: str | None = None
+    ) -> BlockHasher | None:
+        """The hasher a new request keeps its block_hashes with; None when caching is off (nothing is hashed)."""
+        if not self.enable_caching:
+            return None
+        return BlockHasher(
+            self.block_size,
+            self.hash_fn,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            none_hash=self.none_hash,
+        )
+
+    def get_computed_blocks(self, request: CacheRequest) -> ComputedBlocks:
+        """The longest run of cached blocks from the start of the request, capped so that at least its last
+        token is computed (its logits are needed). Records query/hit stats; takes no references."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return ComputedBlocks([], 0)
+        hashes = request.block_hashes
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        lookup = self.block_pool.get_cached_block
+        ids: list[int] = []
+        for i in range(max_blocks):
+            b = lookup(hashes[i])
+            if b is None:
+                break
+            ids.append(b)
+        num_hit = len(ids) * self.block_size
+        self._stats.record(request.num_tokens, num_hit, request.num_preemptions > 0)
+        return ComputedBlocks(ids, num_hit)
+
+    def allocate_slots(
+        self, request: CacheRequest, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> list[int] | None:
+        """Reserve room for request.num_computed_tokens + computed.num_tokens + num_new_tokens tokens.
+
+        On success: takes a reference to the hit blocks (reviving free ones), allocates new blocks from the
+        free queue's head, caches every block now full of known tokens and returns the new block ids (possibly
+        empty). On failure (not enough free blocks, counting revived hit blocks): returns None, nothing changed.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        rid = request.request_id
+        blocks = self._req_blocks.get(rid)
+        hit = computed.block_ids if computed is not None else []
+        if hit and (blocks or request.num_computed_tokens):
+            raise ValueError(f"request {rid!r} got hit blocks but already holds blocks or computed tokens")
+        pool = self.block_pool
+        bs = self.block_size
+        num_held = len(blocks) if blocks else 0
+        total = request.num_computed_tokens + len(hit) * bs + num_new_tokens
+        num_new_blocks = max(0, -(-total // bs) - len(hit) - num_held)
+        ref_cnt = pool.ref_cnt
+        num_revived = sum(1 for b in hit if ref_cnt[b] == 0) if hit else 0
+        if num_new_blocks + num_revived > pool.num_free_blocks:
+            return None
+
+        if blocks is None:
+            blocks = self._req_blocks[rid] = []
+        if hit:
+            # Revive before taking new blocks, so that the new ones never evict a block this request hits.
+            pool.touch(hit)
+            blocks.extend(hit)
+            self._num_cached[rid] = len(hit)
+        new_ids = pool.take(num_new_blocks) if num_new_blocks else []
+        blocks.extend(new_ids)
+        if self.enable_caching:
+            # Cache blocks as soon as they are full of known tokens (they are computed in this step), so that
+            # a request scheduled later in the same step can already hit them.
+            self._cache_full_blocks(request, blocks, min(total, request.num_tokens) // bs)
+        return new_ids
+
+    def _cache_full_blocks(self, request: CacheRequest, blocks: list[int], num_full: int) -> None:
+        rid = request.request_id
+        start = self._num_cached.get(rid, 0)
+        hashes = request.block_hashes
+        # A hasher that lags behind (should not happen) only costs hits: those blocks get cached next time.
+        end = min(num_full, len(hashes))
+        if end <= start:
+            return
+        self.block_pool.cache(blocks[start:end], hashes[start:end])
+        self._num_cached[rid] = end
+        if self._events is not None:
+            bs = self.block_size
+            parent = hashes[start - 1] if start else None
+            tokens = request.all_token_ids[start * bs : end * bs]
+            self._events.append(BlockStored(hashes[start:end], parent, tokens, bs))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's whole block table. The live list, not a copy: read it, never mutate it. It grows in
+        place as allocate_slots adds blocks; [] for a request holding nothing."""
+        return self._req_blocks.get(request_id, [])
+
+    def free(self, request: CacheRequest) -> None:
+        """Release all the request's blocks. They keep their hashes and go to the free queue's tail, deepest
+        block first, so that a chain is evicted from its end and its shared prefix survives longest."""
+        rid = request.request_id
+        self._num_cached.pop(rid, None)
+        blocks = self._req_blocks.pop(rid, None)
+        if blocks:
+            self.block_pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; False (nothing changes) while any block is in use."""
+        return self.block_pool.reset()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref count > 0)."""
+        return 1.0 - self.block_pool.num_free_blocks / self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.block_pool.num_cached_blocks
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Stats since the last call (then reset)."""
+        stats = self._stats
+        evictions = self.block_pool.num_evictions
+        stats.evictions = evictions - self._evictions_reported
+        self._evictions_reported = evictions
+        self._stats = PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Events since the last call, oldest first ([] when events are off)."""
+        if not self._events:
+            return []
+        events = list(self._events)
+        self._events.clear()  # the pool holds the same list
+        return events
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless ref counts, the free queue, the hash map and block tables agree."""
+        self.block_pool.check_invariants(self._req_blocks.values())
+        assert set(self._num_cached) <= set(self._req_blocks), "cached-block counts for unknown requests"
+        block_hash = self.block_pool.block_hash
+        for rid, n in self._num_cached.items():
+            blocks = self._req_blocks[rid]
+            assert n <= len(blocks), f"{rid}: {n} cached blocks but only {len(blocks)} held"
+            assert all(block_hash[b] is not None for b in blocks[:n]), f"{rid}: a cached block lost its hash"
+        if not self.enable_caching:
+            assert self.block_pool.num_cached_blocks == 0, "blocks cached while caching is off"
