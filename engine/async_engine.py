@@ -1,0 +1,236 @@
+"""The asyncio face of the engine: `generate()` streams `RequestOutput` deltas; one background thread steps.
+
+Threads: the step thread owns the `EngineCore` (scheduler, KV cache manager, runner); nothing else touches
+them except under `_core_lock`, which the step thread holds for a whole step. Callers reach the thread through
+a `queue.Queue` of commands (add / abort / stop); the thread hands outputs back with
+`loop.call_soon_threadsafe` into one `asyncio.Queue` per request.
+
+Failure rules: a request that fails inside the engine gets a final output with `error` set; an exception from
+the runner kills the engine: `is_healthy()` turns False and every pending and later `generate()` raises
+`EngineDeadError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.engine_core import EngineCore
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # resolved by engine.model.files.resolve_model
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_cache_memory: int | None = None  # bytes
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's
+    stat_loggers: list = field(default_factory=list)  # objects with record(SchedulerStats, IterationStats)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (fatal error or shutdown); no request can be served any more."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, tokenizer: Any, *, model_name: str) -> None:
+        self._core = core
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = core.max_model_len
+        self.enable_prefix_caching = core.enable_prefix_caching
+        self.num_blocks = core.kv.num_blocks  # KV cache size, for the startup log
+        self.block_size = core.kv.block_size
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._core_lock = threading.Lock()
+        self._dead: str | None = None  # why the engine stopped
+        self._thread = threading.Thread(target=self._run, name="brine-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Loads the model and tokenizer and starts the step thread."""
+        from engine.model.files import resolve_model
+        from engine.model_runner import ModelRunner  # torch: imported only when a real engine is made
+
+        files = resolve_model(config.model)
+        runner = ModelRunner(
+            files.path,
+            device=config.device,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            kv_cache_memory=config.kv_cache_memory,
+            num_blocks=config.num_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
+        if config.max_model_len is not None and config.max_model_len > runner.max_model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context length {runner.max_model_len}"
+            )
+        core = EngineCore(
+            runner,
+            Tokenizer(files.path),
+            max_model_len=config.max_model_len or runner.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_algo=config.prefix_caching_hash_algo,
+            stat_loggers=config.stat_loggers,
+        )
+        logger.info(
+            "engine ready: model %s (%s), %d KV blocks of %d tokens, prefix caching %s",
+            files.name,
+            files.source,
+            runner.num_blocks,
+            runner.block_size,
+            "on" if core.enable_prefix_caching else "off",
+        )
+        return cls(core, core.tokenizer, model_name=config.served_model_name or files.name)
+
+    # ---- requests --------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields deltas; the last has finished=True. ValueError before the first yield for a request that can
+        never run. Closing or cancelling the iterator aborts the request (blocks freed at the next step)."""
+        self._core.check_request(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request; its generate() ends with finish_reason "abort"."""
+        self._inbox.put(("abort", request_id))
+
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    def reset_prefix_cache(self) -> bool:
+        """False while requests hold blocks. Waits for the current step to end."""
+        with self._core_lock:
+            return self._core.kv.reset_prefix_cache()
+
+    def num_used_blocks(self) -> int:
+        with self._core_lock:
+            return self._core.kv.num_blocks - self._core.kv.num_free_blocks
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put((_STOP,))
+            self._thread.join(timeout=30)
+        self._fail_all("the engine was shut down")
+
+    # ---- the step thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # Block only when idle; while busy, take whatever arrived since the last step.
+                commands = [self._inbox.get()] if not self._core.has_work() else []
+                while True:
+                    try:
+                        commands.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if any(cmd[0] is _STOP for cmd in commands):
+                    return
+                with self._core_lock:
+                    outputs = [out for cmd in commands for out in self._apply(cmd)]
+                    if self._core.has_work():
+                        outputs += self._core.step()
+                self._dispatch(outputs)
+        except BaseException as exc:  # fatal: the runner (or the engine itself) broke
+            logger.exception("engine step failed; the engine is dead")
+            self._fail_all(f"engine error: {exc!r}")
+
+    def _apply(self, cmd: tuple) -> list[RequestOutput]:
+        if cmd[0] == "add":
+            _, request_id, prompt, params, cache_salt = cmd
+            with self._streams_lock:
+                stream = self._streams.get(request_id)
+            if stream is None:  # the caller went away before the engine saw it
+                return []
+            try:
+                return self._core.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            except Exception as exc:  # a bug in adding one request must not kill the engine
+                logger.exception("could not add request %s", request_id)
+                _push(stream, exc)
+                return []
+        return self._core.abort_request(cmd[1])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._streams_lock:
+            targets = [(self._streams.get(out.request_id), out) for out in outputs]
+        for stream, out in targets:
+            if stream is not None:
+                _push(stream, out)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._streams_lock:
+            if self._dead is None:
+                self._dead = reason
+            streams = list(self._streams.values())
+        for stream in streams:
+            _push(stream, EngineDeadError(reason))
+
+
+def _push(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,177 @@
+"""The engine's synchronous core: requests in, one step at a time, `RequestOutput` deltas out.
+
+A step is schedule -> runner.execute -> scheduler.update -> output processing (`OutputProcessor`:
+detokenize, stop strings, merge a request's n sequences into one `RequestOutput`) -> stats to every stat
+logger. The core knows nothing of threads or asyncio (`AsyncEngine` drives it from one thread), so tests
+drive it directly with a fake runner.
+
+Failure rules: an exception while handling one request (adding it, its tokens, its text) fails that request
+only, with an error output; an exception from the runner propagates: the caller treats it as fatal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from engine.output_processor import OutputProcessor, error_output
+from engine.outputs import RequestOutput, RunnerOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from kv_cache.manager import KVCacheManager
+from metrics.stats import IterationStats, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    is_causal: bool
+
+    def execute(self, out: Any) -> RunnerOutput: ...
+
+    def drop_request(self, request_id: str) -> None: ...
+
+
+class Detokenizes(Protocol):
+    eos_token_ids: frozenset[int]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Detokenizes,
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
+        stat_loggers: Sequence[Any] = (),
+    ) -> None:
+        if enable_prefix_caching and not runner.is_causal:
+            logger.info(
+                "prefix caching disabled: the model is not causal, so a prefix's K/V depends on what follows"
+            )
+            enable_prefix_caching = False
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.kv = KVCacheManager(
+            runner.num_blocks, runner.block_size, enable_caching=enable_prefix_caching, hash_algo=hash_algo
+        )
+        self.max_model_len = max_model_len or runner.max_model_len
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )
+        self.stat_loggers = list(stat_loggers)
+        self.outputs = OutputProcessor(self.scheduler, tokenizer.decode)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.kv.enable_caching
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """ValueError for a request that can never run. Reads only constants: safe from any thread."""
+        params.validate()
+        self.scheduler.check_request(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[RequestOutput]:
+        """Queues a request (n sequences). Returns an error output if it cannot be added, else []."""
+        try:
+            self.check_request(prompt_token_ids, params)
+            arrival = time.monotonic() if arrival_time is None else arrival_time
+            children = []
+            for i in range(params.n):
+                # Child i of a seeded request uses seed + i, so the n samples differ yet are reproducible.
+                child_params = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i
+                )
+                child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+                hasher = self.kv.make_hasher(cache_salt)
+                children.append(
+                    Request(child_id, prompt_token_ids, child_params, cache_salt, hasher, arrival, index=i)
+                )
+            self.outputs.add(request_id, prompt_token_ids, children)
+        except Exception as exc:
+            return [error_output(request_id, prompt_token_ids, params.n, str(exc))]
+        for child in children:
+            self.scheduler.add_request(child)
+        return []
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Aborts every sequence of a request now (its blocks are freed). Unknown ids: nothing."""
+        return self.outputs.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_ids()
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        now = time.monotonic()
+        for sr in sched_out.scheduled:
+            req = self.scheduler.requests[sr.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        if sched_out.scheduled:
+            result = self.runner.execute(sched_out)
+        else:  # nothing to run: still let the runner forget finished requests
+            for request_id in sched_out.finished_request_ids:
+                self.runner.drop_request(request_id)
+            result = RunnerOutput({})
+        updates = self.scheduler.update(sched_out, result)
+        iteration = IterationStats()
+        for sr in sched_out.scheduled:  # prompt tokens computed (hits and recomputed outputs excluded)
+            iteration.num_prompt_tokens += max(
+                0, min(sr.num_prompt_tokens - sr.num_computed_tokens, len(sr.new_token_ids))
+            )
+        outputs = self.outputs.process(updates, iteration)
+        self._record_stats(iteration)
+        return outputs
+
+    # ---- stats -----------------------------------------------------------------------------------------
+
+    def _record_stats(self, iteration: IterationStats) -> None:
+        if not self.stat_loggers:
+            self.kv.make_prefix_cache_stats()  # keep the counters from growing unread
+            self.scheduler.take_num_preemptions()
+            return
+        pcs = self.kv.make_prefix_cache_stats()
+        sched = SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_cached_blocks=self.kv.num_cached_blocks,
+            prefix_cache_queries=pcs.queries,
+            prefix_cache_hits=pcs.hits,
+            prefix_cache_preempted_queries=pcs.preempted_queries,
+            prefix_cache_preempted_hits=pcs.preempted_hits,
+            prefix_cache_requests=pcs.requests,
+            num_preemptions=self.scheduler.take_num_preemptions(),
+            num_evictions=pcs.evictions,
+        )
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(sched, iteration)
+            except Exception:  # a broken logger must not take the engine down
+                logger.exception("stat logger %r failed", stat_logger)

@@ -1,0 +1,217 @@
+"""Turns the scheduler's token updates into the `RequestOutput` deltas a caller sees.
+
+Per request (one `add`, n sequences): detokenizes each sequence (`TextStream`), applies stop strings (which
+finish a sequence in the scheduler at once), leaves a stop token's text out, merges the n sequences' deltas
+into one `RequestOutput` per step, and records a `FinishedRequestStats` when the last sequence ends.
+
+Failure rule: an exception while handling one request's output fails that request only (all its sequences
+end with finish reason "error" and `RequestOutput.error` set); the others carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import Decode, TextStream
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.request import Request, RequestStatus
+from engine.scheduler import RequestUpdate, Scheduler
+from metrics.stats import FinishedRequestStats, IterationStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Group:
+    """One add_request call: its n sequences and what has been sent for them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    children: list[Request]
+    streams: list[TextStream]
+    num_cached_tokens: int = 0
+    sent_prompt_logprobs: bool = False
+    finished_children: set[int] = field(default_factory=set)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, decode: Decode) -> None:
+        self.scheduler = scheduler
+        self.decode = decode
+        self._groups: dict[str, _Group] = {}
+        self._child_group: dict[str, tuple[_Group, int]] = {}  # child request id -> (group, index)
+        # Requests finished since the last process() (aborts happen between steps): for the next record.
+        self._finished_stats: list[FinishedRequestStats] = []
+
+    def add(self, request_id: str, prompt_token_ids: list[int], children: list[Request]) -> None:
+        """Registers a request's sequences; ValueError if any id is in use (nothing is registered then)."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        for child in children:
+            if child.request_id in self._child_group:  # e.g. a user id "0_x" next to "x" with n > 1
+                raise ValueError(f"request id {child.request_id!r} is already in use")
+        # Only seeds differ between the sequences: the first one's params describe the text for all.
+        streams = [TextStream(self.decode, prompt_token_ids, c.sampling_params) for c in children]
+        group = _Group(request_id, prompt_token_ids, children, streams)
+        self._groups[request_id] = group
+        for i, child in enumerate(children):
+            self._child_group[child.request_id] = (group, i)
+
+    def finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
+        """Finishes every sequence of a request now (blocks freed): its final output. Unknown ids: []."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        return [self._group_output(group, self._finish_children(group, status, error))]
+
+    def process(self, updates: list[RequestUpdate], iteration: IterationStats) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, tuple[_Group, dict[int, CompletionOutput]]] = {}
+        for upd in updates:
+            req = upd.request
+            if req.request_id not in self._child_group:
+                continue  # its group already failed earlier in this loop
+            group, index = self._child_group[req.request_id]
+            entry = touched.setdefault(group.request_id, (group, {}))
+            try:
+                if req.status is RequestStatus.FINISHED_ERROR:  # the scheduler failed this sequence
+                    raise RuntimeError(req.error)
+                if upd.new_token_ids:
+                    iteration.num_generation_tokens += len(upd.new_token_ids)
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                        iteration.ttfts.append(now - req.arrival_time)
+                    else:
+                        iteration.inter_token_latencies.append(now - (req.last_token_time or now))
+                    req.last_token_time = now
+                completion = self._completion(group, index, upd)
+            except Exception as exc:  # e.g. a token id the tokenizer cannot decode: fail this request only
+                logger.exception("request %s failed while processing its output", group.request_id)
+                error = str(exc) or repr(exc)
+                for completion in self._finish_children(group, RequestStatus.FINISHED_ERROR, error):
+                    earlier = entry[1].get(completion.index)
+                    if earlier is not None:  # keep the delta it already got in this step
+                        earlier.finish_reason = completion.finish_reason
+                    else:
+                        entry[1][completion.index] = completion
+                continue
+            if completion is not None:
+                entry[1][index] = completion
+        outputs = []
+        for group, completions in touched.values():
+            outputs.append(self._group_output(group, list(completions.values())))
+        iteration.finished.extend(self._finished_stats)
+        self._finished_stats.clear()
+        return outputs
+
+    def _completion(self, group: _Group, index: int, upd: RequestUpdate) -> CompletionOutput | None:
+        req, stream = upd.request, group.streams[index]
+        for token in upd.new_token_ids:
+            # A stop token / EOS that ended the sequence is not part of its text.
+            ended_by_token = req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason in (None, token)
+            if ended_by_token and not req.sampling_params.include_stop_str_in_output:
+                stream.add_token(token, skip_text=True)
+            elif stream.add_token(token) is not None:
+                # A stop string wins over "length" when the last allowed token completes it (as in vLLM).
+                req.stop_reason = stream.stopped_by
+                if req.is_finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        if req.num_cached_tokens >= 0 and index == 0:
+            group.num_cached_tokens = req.num_cached_tokens
+        finished = req.is_finished
+        if finished:
+            self._mark_child_finished(group, index)
+        text = stream.take_delta(finished)
+        if not (text or upd.new_token_ids or finished):
+            return None
+        return CompletionOutput(
+            index=req.index,
+            text=text,
+            token_ids=list(upd.new_token_ids),
+            logprobs=upd.logprobs if req.sampling_params.logprobs is not None else None,
+            finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def _group_output(self, group: _Group, completions: list[CompletionOutput]) -> RequestOutput:
+        finished = len(group.finished_children) == len(group.children)
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+        if not group.sent_prompt_logprobs and group.children[0].prompt_logprobs is not None:
+            prompt_logprobs = group.children[0].prompt_logprobs
+            group.sent_prompt_logprobs = True
+        if finished:
+            self._groups.pop(group.request_id, None)
+        return RequestOutput(
+            request_id=group.request_id,
+            outputs=sorted(completions, key=lambda c: c.index),
+            prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=max(0, group.num_cached_tokens),
+            finished=finished,
+            prompt_logprobs=prompt_logprobs,
+            error=next((c.error for c in group.children if c.error), None),
+        )
+
+    def _finish_children(
+        self, group: _Group, status: RequestStatus, error: str | None = None
+    ) -> list[CompletionOutput]:
+        """Finishes every unfinished sequence of a group now (blocks freed); returns their last deltas."""
+        completions = []
+        for i, child in enumerate(group.children):
+            if i in group.finished_children:
+                continue
+            self.scheduler.finish_requests([child.request_id], status, error=error)
+            child.status, child.error = status, error  # also when the scheduler had already let it go
+            self._mark_child_finished(group, i)
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text="",
+                    token_ids=[],
+                    logprobs=None,
+                    finish_reason=status.finish_reason,
+                    num_output_tokens=child.num_output_tokens,
+                )
+            )
+        return completions
+
+    def _mark_child_finished(self, group: _Group, index: int) -> None:
+        if index in group.finished_children:
+            return
+        group.finished_children.add(index)
+        self._child_group.pop(group.children[index].request_id, None)
+        if len(group.finished_children) == len(group.children):
+            self._finished_stats.append(_finished_stats(group))
+
+
+def _finished_stats(group: _Group) -> FinishedRequestStats:
+    """One record per request (all n sequences): the first token and the last finish bound its timings."""
+    now = time.monotonic()
+    children = group.children
+    first = children[0]
+    first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
+    scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
+    num_gen = sum(c.num_output_tokens for c in children)
+    ttft = min(first_tokens) - first.arrival_time if first_tokens else 0.0
+    decode_time = now - min(first_tokens) if first_tokens else 0.0
+    reason = first.status.finish_reason
+    return FinishedRequestStats(
+        finish_reason=reason.value if reason is not None else "abort",
+        num_prompt_tokens=first.num_prompt_tokens,
+        num_generation_tokens=num_gen,
+        num_cached_tokens=max(0, first.num_cached_tokens),
+        e2e_latency=now - first.arrival_time,
+        queue_time=(min(scheduled) - first.arrival_time) if scheduled else 0.0,
+        ttft=ttft,
+        mean_time_per_output_token=decode_time / (num_gen - 1) if num_gen > 1 else 0.0,
+    )
+
+
+def error_output(request_id: str, prompt: list[int], n: int, error: str) -> RequestOutput:
+    """The only output of a request that failed before it ran."""
+    finish = [CompletionOutput(i, "", [], None, RequestStatus.FINISHED_ERROR.finish_reason) for i in range(n)]
+    return RequestOutput(request_id, finish, prompt, 0, finished=True, error=error)

@@ -1,0 +1,132 @@
+"""One sequence the engine is producing: its tokens, how far its KV cache has been computed, its status.
+
+A `Request` satisfies `kv_cache.CacheRequest`: the KV cache manager reads `all_token_ids`,
+`num_computed_tokens`, `block_hashes`, `skip_reading_prefix_cache` and `num_preemptions` from it. The
+scheduler is the only writer of `num_computed_tokens` and `status`; `append_output_token` is the only way
+tokens grow, so `block_hashes` never falls behind the tokens.
+
+With `n > 1` the engine makes n `Request`s (one per sequence); each is scheduled on its own and they meet
+again only through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from engine.outputs import FinishReason, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kv_cache.hashing import BlockHasher
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after its blocks were taken; will be recomputed
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    # Made by KVCacheManager.make_hasher; None when prefix caching is off (block_hashes then stays empty).
+    hasher: BlockHasher | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Which of the parent request's n sequences this is (CompletionOutput.index).
+    index: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    block_hashes: list[Any] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit (tokens) at first scheduling; -1 until then
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id / stop string that finished it
+    error: str | None = None  # set with FINISHED_ERROR
+
+    # Logprobs of sampled tokens not yet handed to the output processor (drained each step).
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Accumulated prompt logprobs (entry 0 is None: the first token has no context); None when not asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    # Timings (time.monotonic()) for the metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        # A copy: the caller's list must not grow with our outputs (n > 1 children share one prompt list).
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        # Prompt logprobs need logits for every prompt position, so cached positions would leave holes.
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Records the prompt logprobs of a chunk that started at position `start` (entry i is for position
+        start + i + 1). A recompute after preemption repeats positions we already have, and positions past the
+        prompt are not prompt logprobs: both are dropped."""
+        if self.prompt_logprobs is None:
+            return
+        for i, entry in enumerate(entries):
+            pos = start + i + 1
+            if pos == len(self.prompt_logprobs) and pos < self.num_prompt_tokens:
+                self.prompt_logprobs.append(entry)
+
+    def _update_block_hashes(self) -> None:
+        # The hasher remembers nothing but len(block_hashes), so calling it per token costs one length check
+        # until a block fills.
+        if self.hasher is not None:
+            self.hasher.extend(self.block_hashes, self.all_token_ids)

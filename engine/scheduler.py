@@ -1,0 +1,236 @@
+"""Token-budget continuous batching (vLLM v1 style): which requests run this step, and with how many tokens.
+
+Every request carries `num_computed_tokens`; a step moves it towards `num_tokens`. One rule covers a fresh
+prefill, a prefill that starts after a prefix hit, a chunk of a long prefill and a decode step: schedule
+`min(num_tokens - num_computed_tokens, budget left)` tokens. Running requests go first (oldest first), then
+waiting ones (FCFS) while the budget, `max_num_seqs` and the KV cache allow.
+
+When the KV cache runs out, the newest running request is preempted: its blocks are freed and it goes back to
+the front of the waiting queue to be recomputed later (its own blocks, still hashed in the free queue, will
+usually hit). Nothing is failed for lack of blocks; requests that could never fit are refused by
+`check_request` before they get here.
+
+Rules for callers: `schedule()` and `update()` alternate, one `update` per `schedule`; requests are finished
+from outside only between the two (`finish_requests`), which frees their blocks at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
+from engine.request import Request, RequestStatus
+from kv_cache.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one request got from a step: its new token (if it sampled) and whether it is now finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # A sequence of N tokens needs N - 1 KV slots to sample its next token; past the whole pool it can
+        # never run again, so it stops there ("length") instead of preempting itself forever.
+        self.kv_capacity = kv.num_blocks * kv.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # for the runner, sent with the next schedule()
+        self.num_preemptions = 0  # since the last take_num_preemptions()
+
+    # ---- admission -------------------------------------------------------------------------------------
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raises ValueError for a request that can never run. Reads only constants: safe from any thread."""
+        if num_prompt_tokens < 1:
+            raise ValueError("The prompt must contain at least one token.")
+        wanted = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
+        if wanted > self.max_model_len:
+            completion = (
+                f"{max_tokens} in the completion" if max_tokens is not None else "at least 1 to generate"
+            )
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({num_prompt_tokens} in the prompt, {completion}). Please reduce the length "
+                "of the prompt or the completion."
+            )
+        if num_prompt_tokens > self.kv_capacity:
+            raise ValueError(
+                f"The prompt ({num_prompt_tokens} tokens) can never fit the KV cache, which holds "
+                f"{self.kv_capacity} tokens ({self.kv.num_blocks} blocks of {self.kv.block_size})."
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ---- one step --------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                preempted = True
+                victim = self.running.pop()  # the newest; never one scheduled earlier in this loop
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+        # Requests just preempted for room must not be overtaken by newer ones in the same step.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.kv.num_free_blocks == 0:
+                break  # every admission needs a new block; and a lookup now would only inflate the stats
+            req = self.waiting[0]
+            hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - hit.num_tokens, budget)
+            if self.kv.allocate_slots(req, num_new, hit) is None:
+                break  # FCFS: the head waits for blocks rather than letting smaller requests jump ahead
+            self.waiting.popleft()
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, finished)
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
+        """Applies a step's results: advances num_computed_tokens, appends sampled tokens, checks the
+        token-level stop conditions (stop strings are the output processor's) and frees finished requests."""
+        updates: list[RequestUpdate] = []
+        for sr in out.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            try:
+                update = self._apply(req, sr, result)
+            except Exception as exc:  # bad per-request state fails that request only
+                self.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR, error=repr(exc))
+                update = RequestUpdate(req, [], None)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _apply(self, req: Request, sr: ScheduledRequest, result: RunnerOutput) -> RequestUpdate | None:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += len(sr.new_token_ids)
+        if sr.request_id in result.prompt_logprobs:
+            req.add_prompt_logprobs(start, result.prompt_logprobs[sr.request_id])
+        if not sr.sample:
+            return None
+        token = result.sampled_token_ids.get(sr.request_id)
+        if token is None:
+            raise RuntimeError("the model runner returned no token for a request that had to sample")
+        req.append_output_token(token)
+        logprob = result.logprobs.get(sr.request_id)
+        status = self._check_stop(req, token)
+        if status is not None:
+            self.finish_requests([req.request_id], status)
+        return RequestUpdate(req, [token], [logprob] if logprob is not None else None)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len or req.num_tokens > self.kv_capacity:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- finishing and preemption ----------------------------------------------------------------------
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, error: str | None = None
+    ) -> list[Request]:
+        """Finishes (aborts, stops, fails) requests now and frees their blocks. Unknown or already finished
+        ids are ignored: an abort may race with a normal finish."""
+        assert status.is_finished
+        done: list[Request] = []
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.kv.free(req)
+            else:  # waiting or preempted: holds no blocks
+                self.waiting.remove(req)
+            req.status = status
+            req.error = error
+            self._finished_ids.append(request_id)
+            done.append(req)
+        return done
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are taken newest first, so prepending keeps the older one ahead.
+        self.waiting.appendleft(req)
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            new_token_ids=req.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+            sampling_params=req.sampling_params,
+            all_token_ids=req.all_token_ids,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    # ---- state -----------------------------------------------------------------------------------------
+
+    def take_num_preemptions(self) -> int:
+        n, self.num_preemptions = self.num_preemptions, 0
+        return n
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_ids(self) -> bool:
+        return bool(self._finished_ids)

@@ -1,0 +1,91 @@
+"""The model directory's tokenizer: encode, decode, EOS ids and the chat template.
+
+Wraps `transformers.AutoTokenizer` for the chat template (so Jinja helpers such as `raise_exception` and
+`strftime_now` behave exactly as the model's authors tested them) and calls its Rust `tokenizers` backend
+directly for encode/decode, which is faster and does no post-hoc space cleanup, so incremental decoding of a
+window of ids agrees with decoding everything at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | Path) -> None:
+        from transformers import AutoTokenizer  # heavy import: only when a real tokenizer is made
+
+        self.path = Path(model_path)
+        self.hf = AutoTokenizer.from_pretrained(str(self.path))
+        # The Rust tokenizer behind the fast HF tokenizer.
+        self.backend = self.hf.backend_tokenizer
+        self.eos_token_ids: frozenset[int] = frozenset(self._find_eos_ids())
+        self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False` for text rendered by the chat template, which already has them."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        """Text of a single token (for logprobs); may be U+FFFD for a partial UTF-8 byte."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **chat_template_kwargs: Any,
+    ) -> str:
+        """Renders messages with the model's chat template. Raises ValueError when the model has none or the
+        template rejects the messages (the server turns that into a 400)."""
+        if not self.chat_template:
+            raise ValueError("This model has no chat template; use the completions endpoint instead.")
+        if continue_final_message and add_generation_prompt:
+            # The two contradict each other; continuing the last message wins, as in vLLM.
+            add_generation_prompt = False
+        try:
+            text = self.hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **chat_template_kwargs,
+            )
+        except Exception as exc:  # jinja errors, raise_exception(...) inside the template
+            raise ValueError(f"Could not apply the chat template: {exc}") from exc
+        return text if isinstance(text, str) else str(text)
+
+    def _find_eos_ids(self) -> set[int]:
+        """EOS ids: the tokenizer's own plus generation_config.json's (an int or a list)."""
+        ids: set[int] = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(int(self.hf.eos_token_id))
+        gen_config = self.path / "generation_config.json"
+        if gen_config.is_file():
+            try:
+                eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            except (OSError, json.JSONDecodeError) as exc:
+                logger.warning("ignoring unreadable %s: %s", gen_config, exc)
+                eos = None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(i) for i in eos)
+        return ids

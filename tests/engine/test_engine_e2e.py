@@ -1,0 +1,118 @@
+"""The engine with the real default model (slow): prefix caching changes nothing but the work done.
+
+One engine with prefix caching and one without are shared by the whole module; after every test no block may
+still be in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 512  # 8192 tokens of KV: plenty, and small enough for a shared CPU machine
+
+
+def make(enable_prefix_caching: bool) -> AsyncEngine:
+    config = EngineConfig(num_blocks=NUM_BLOCKS, enable_prefix_caching=enable_prefix_caching, device="cpu")
+    return AsyncEngine.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def cached():
+    engine = make(True)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def uncached():
+    engine = make(False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    for name in ("cached", "uncached"):
+        if name in request.fixturenames:
+            assert request.getfixturevalue(name).num_used_blocks() == 0
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def chat_ids(engine: AsyncEngine, system: str, user: str) -> list[int]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+async def run(
+    engine: AsyncEngine, ids: list[int], params: SamplingParams = GREEDY
+) -> tuple[list[int], str, int]:
+    tokens, text, cached_tokens = [], "", 0
+    async for out in engine.generate(ids, params):
+        for c in out.outputs:
+            tokens += c.token_ids
+            text += c.text
+        cached_tokens = out.num_cached_tokens
+    return tokens, text, cached_tokens
+
+
+async def test_single_requests_are_identical_with_and_without_prefix_caching(cached, uncached):
+    ids = chat_ids(cached, "You are a terse assistant.", "Name three primary colors.")
+    reference, ref_text, _ = await run(uncached, ids)
+    first, first_text, _ = await run(cached, ids)
+    again, _, hit = await run(cached, ids)  # now served mostly from the cache
+    assert hit > 0
+    assert first == again == reference and first_text == ref_text
+    assert ref_text.strip()
+
+
+async def test_eight_concurrent_requests_sharing_a_system_prompt(cached, uncached):
+    system = "You are a helpful assistant who answers in one short sentence. " * 6
+    questions = ["What is 2+2?", "Capital of France?", "Color of the sky?", "Opposite of hot?",
+                 "Largest planet?", "Author of Hamlet?", "Boiling point of water?", "A synonym of big?"]  # fmt: skip
+    prompts = [chat_ids(cached, system, q) for q in questions]
+    with_cache = await asyncio.gather(*(run(cached, p) for p in prompts))
+    without = await asyncio.gather(*(run(uncached, p) for p in prompts))
+    assert [t for t, _, _ in with_cache] == [t for t, _, _ in without]
+    shared_blocks = len(system) // 8 // 16  # loose lower bound on the shared prefix's full blocks
+    assert sum(hit for _, _, hit in with_cache) >= 7 * shared_blocks * 16
+    assert all(hit == 0 for _, _, hit in without)
+
+
+async def test_a_second_request_with_the_same_1000_token_prefix_hits_at_least_992(cached):
+    tok = cached.tokenizer
+    words = " ".join(f"item{i}" for i in range(2000))
+    prefix = tok.encode(words, add_special_tokens=False)[:1000]
+    assert len(prefix) == 1000
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    _, _, first_hit = await run(cached, prefix + tok.encode(" first", add_special_tokens=False), params)
+    _, _, second_hit = await run(cached, prefix + tok.encode(" second one", add_special_tokens=False), params)
+    assert second_hit >= 992 and second_hit >= first_hit
+
+
+async def test_streaming_detokenization_of_multilingual_text_is_exact(cached):
+    tok = cached.tokenizer
+    text = "日本語のテキスト、中文字符。مرحبا بالعالم! 👩‍👩‍👧 🎉🇯🇵 naïve café — Ελληνικά. 한국어 텍스트"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok.decode, tok.encode("Say:", add_special_tokens=False))
+    deltas = [detok.step(i) for i in ids]
+    assert "".join(deltas) + detok.flush() == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+async def test_streamed_output_text_equals_the_decode_of_its_tokens(cached):
+    ids = chat_ids(cached, "Reply in Japanese with an emoji.", "Say good morning 🌅")
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3)
+    tokens, text, _ = await run(cached, ids, params)
+    eos = cached.tokenizer.eos_token_ids
+    assert text == cached.tokenizer.decode([t for t in tokens if t not in eos])
