@@ -1,0 +1,153 @@
+"""The FastAPI application: `create_app(engine, ...)` wires the routes, error handlers and auth.
+
+The engine is anything satisfying `server.engine_client.EngineClient` (the real `AsyncEngine`, or the fake in
+tests). Routes hold no state of their own beyond what `create_app` closes over.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Sequence
+from typing import Protocol
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.auth import ApiKeyMiddleware
+from server.engine_client import EngineClient, vocab_size
+from server.errors import SERVER_ERROR, APIError, bad_request, error_body, install_error_handlers
+from server.generation import ClientDisconnected
+from server.params import check_model
+from server.parsing import parse_request
+from server.prompts import encode, render_chat
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.responses import now
+from server.serving_chat import create_chat_completion
+from server.serving_completion import create_completion
+
+
+class MetricsRenderer(Protocol):
+    def render(self) -> tuple[bytes, str]: ...
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("brine")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def create_app(
+    engine: EngineClient,
+    *,
+    api_keys: Sequence[str] = (),
+    metrics: MetricsRenderer | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app over `engine`.
+
+    api_keys: when non-empty, every route but `GET /health` needs `Authorization: Bearer <one of them>`.
+    metrics: what `GET /metrics` renders (a `metrics.prometheus.PrometheusStatLogger`); empty body if None.
+    """
+    app = FastAPI(title="Brine", version=_version(), docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys))
+    created = now()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(_: Request, __: ClientDisconnected) -> Response:
+        # Nobody reads this; 499 (nginx's "client closed request") keeps it out of 5xx dashboards.
+        return Response(status_code=499)
+
+    def require_healthy() -> None:
+        if not engine.is_healthy():
+            raise APIError("The engine is not running.", status=503, type=SERVER_ERROR, code="engine_dead")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        require_healthy()
+        return await create_chat_completion(engine, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        require_healthy()
+        return await create_completion(engine, request)
+
+    def model_card() -> dict:
+        return {
+            "id": engine.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "brine",
+            "max_model_len": engine.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        check_model(model_id, engine.model_name)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy():
+            return Response(status_code=200)
+        body = error_body("The engine is not running.", type=SERVER_ERROR, code="engine_dead")
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        if metrics is None:
+            return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = await parse_request(request, TokenizeRequest)
+        check_model(req.model, engine.model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("Send exactly one of prompt and messages.", "prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad_request("messages must not be empty.", "messages")
+            tokens = render_chat(
+                engine.tokenizer,
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+        else:
+            tokens = encode(engine.tokenizer, req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = await parse_request(request, DetokenizeRequest)
+        check_model(req.model, engine.model_name)
+        vocab = vocab_size(engine.tokenizer)
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
+            raise bad_request("tokens contains a token id outside the vocabulary.", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        # The real engine waits for the current step to end: keep that wait off the event loop.
+        if not await anyio.to_thread.run_sync(engine.reset_prefix_cache):
+            raise APIError(
+                "The prefix cache cannot be reset while requests hold KV blocks; retry when idle.",
+                status=409,
+                code="prefix_cache_in_use",
+            )
+        return {"reset": True}
+
+    return app

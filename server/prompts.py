@@ -1,0 +1,113 @@
+"""Turning request input into prompt token ids: chat messages through the model's chat template, and the
+four shapes of a completions `prompt`.
+
+Template errors (a template that rejects a role order, say) are the client's to fix: they become 400s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from server.engine_client import TokenizerLike
+from server.errors import bad_request
+from server.protocol import ChatMessage
+
+logger = logging.getLogger("brine.server")
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in content:
+        kind = part.get("type")
+        text = part.get("text") if kind == "text" else part.get("refusal") if kind == "refusal" else None
+        if not isinstance(text, str):
+            raise bad_request(f"messages.{index}.content: only text content parts are supported.", "messages")
+        texts.append(text)
+    # Templates expect a string; joining parts with newlines is what vLLM does for string-format templates.
+    return "\n".join(texts)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the Jinja template (only the keys a template may read)."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        item: dict[str, Any] = {"role": message.role, "content": _message_text(message, i)}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        out.append(item)
+    return out
+
+
+def encode(tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # type: ignore[call-arg]
+    except TypeError:
+        # A tokenizer whose encode() takes no such keyword: its default is the only behaviour it has.
+        return list(tokenizer.encode(text))
+
+
+def render_chat(
+    tokenizer: TokenizerLike,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    kwargs = dict(chat_template_kwargs or {})
+    # These two are ours to set; letting chat_template_kwargs repeat them would raise a TypeError.
+    kwargs.pop("add_generation_prompt", None)
+    kwargs.pop("continue_final_message", None)
+    kwargs.pop("messages", None)
+    plain = template_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(
+            plain,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja may raise anything; all of it is the request's fault
+        logger.info("chat template rejected a request: %s", type(exc).__name__)
+        raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
+    if not isinstance(text, str):
+        raise bad_request("The chat template did not produce text.", "messages")
+    # The rendered template already contains the special tokens it wants (BOS included, if any).
+    return encode(tokenizer, text, add_special_tokens=False)
+
+
+def completion_prompts(
+    tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]] | None, vocab: int | None
+) -> list[list[int]]:
+    """One list of token ids per prompt; text prompts are encoded with the tokenizer's special tokens."""
+    if prompt is None:
+        raise bad_request("prompt is required.", "prompt")
+    if isinstance(prompt, str):
+        raw: list[str | list[int]] = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be an empty list.", "prompt")
+    elif isinstance(prompt[0], int):
+        raw = [prompt]  # type: ignore[list-item]
+    else:
+        raw = list(prompt)  # type: ignore[arg-type]
+    out: list[list[int]] = []
+    for item in raw:
+        if isinstance(item, str):
+            out.append(encode(tokenizer, item, add_special_tokens=True))
+            continue
+        if not item:
+            raise bad_request("A token-id prompt must not be empty.", "prompt")
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in item):
+            raise bad_request("prompt contains a token id outside the vocabulary.", "prompt")
+        out.append(list(item))
+    return out

@@ -1,0 +1,66 @@
+"""A client that disconnects mid-stream aborts its request: its KV blocks go back, seen on /metrics."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from e2e_server import BrineServer
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+
+def _scrape(server: BrineServer) -> dict[str, float]:
+    r = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10)
+    assert r.status_code == 200
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            key = s.name + ("/" + s.labels["finished_reason"] if "finished_reason" in s.labels else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _wait_for(server: BrineServer, pred, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _scrape(server)
+        if pred(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_frees_blocks(brine_server: BrineServer) -> None:
+    idle = _wait_for(brine_server, lambda m: m["brine_num_requests_running"] == 0)
+    assert idle["brine_kv_cache_usage_perc"] == 0.0, "another request still holds blocks"
+    aborted_before = idle["brine_request_success_total/abort"]
+    body = {
+        "model": brine_server.model,
+        "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}],
+        "max_tokens": 1000,
+        "temperature": 0,
+        "ignore_eos": True,  # the story must outlast the test
+        "stream": True,
+    }
+    with httpx.Client(timeout=300) as http:
+        with http.stream("POST", f"{brine_server.base_url}/v1/chat/completions", json=body,
+                         headers=brine_server.headers) as r:  # fmt: skip
+            assert r.status_code == 200
+            lines = r.iter_lines()  # keep the iterator: dropping it would close the stream early
+            events = 0
+            while events < 4:
+                if next(lines).startswith("data: "):
+                    events += 1
+            during = _wait_for(brine_server, lambda m: m["brine_kv_cache_usage_perc"] > 0)
+            assert during["brine_num_requests_running"] == 1 and during["brine_kv_cache_usage_perc"] > 0
+        # Leaving the block closes the connection mid-stream.
+    after = _wait_for(
+        brine_server, lambda m: m["brine_kv_cache_usage_perc"] == 0 and m["brine_num_requests_running"] == 0
+    )
+    assert after["brine_kv_cache_usage_perc"] == 0.0, brine_server.log_tail()
+    assert after["brine_num_requests_running"] == 0
+    assert after["brine_request_success_total/abort"] == aborted_before + 1
+    # Nowhere near 1000 tokens were generated: the engine stopped when the client left.
+    assert after["brine_generation_tokens_total"] - during["brine_generation_tokens_total"] < 200

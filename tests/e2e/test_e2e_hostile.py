@@ -1,0 +1,38 @@
+"""Extreme but valid sampling settings must not produce a 5xx or kill the engine (a runner exception is fatal
+to every tenant, so the server has to keep such input away from it or the engine has to cope)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from e2e_server import BrineServer
+
+pytestmark = pytest.mark.slow
+
+CASES = [
+    {"top_k": 10**9},
+    {"top_k": 1, "temperature": 2},
+    {"repetition_penalty": 1e30},
+    {"repetition_penalty": 1e-30},
+    {"temperature": 2e-5, "top_p": 1e-9},
+    {"min_p": 1.0, "temperature": 1.5},
+    {"seed": 2**63 - 1, "n": 2, "temperature": 1},
+    {"seed": -(2**63), "temperature": 1},
+    {"presence_penalty": -2, "frequency_penalty": 2, "temperature": 1.3},
+    {"logprobs": 20, "echo": True, "temperature": 0},
+    {"min_tokens": 3, "ignore_eos": True, "stop_token_ids": [0, 1, 2]},
+    {"stop": ["", "\n", " "]},
+    {"prompt": [0, 1, 2, 0]},
+    {"n": 8, "temperature": 1},
+]
+
+
+@pytest.mark.parametrize("extra", CASES, ids=lambda e: ",".join(e))
+def test_extreme_settings(brine_server: BrineServer, extra: dict) -> None:
+    body = {"model": brine_server.model, "prompt": "Once upon a time", "max_tokens": 3, **extra}
+    r = httpx.post(
+        f"{brine_server.base_url}/v1/completions", json=body, headers=brine_server.headers, timeout=120
+    )
+    assert r.status_code < 500, r.text
+    health = httpx.get(f"{brine_server.base_url}/health", timeout=10)
+    assert health.status_code == 200, brine_server.log_tail()

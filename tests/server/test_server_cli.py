@@ -1,0 +1,151 @@
+"""`brine serve` argument parsing and wiring (engine, stat loggers, app, uvicorn), without loading a model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_engine import FakeEngine
+from fastapi.testclient import TestClient
+
+import engine.model.files as model_files
+from engine.async_engine import AsyncEngine, EngineConfig
+from metrics.prometheus import PrometheusStatLogger
+from server import cli
+
+
+def _config(*argv: str, env: dict[str, str] | None = None) -> tuple[EngineConfig, list[str]]:
+    args = cli.build_parser().parse_args(["serve", *argv])
+    return cli.engine_config(args, []), cli.api_keys(args, env or {})
+
+
+def test_defaults_match_engine_config() -> None:
+    config, keys = _config()
+    assert config == EngineConfig()
+    assert keys == []
+
+
+def test_flags_map_to_engine_config() -> None:
+    config, keys = _config(
+        "/models/x",
+        "--no-enable-prefix-caching",
+        "--block-size=32",
+        "--prefix-caching-hash-algo=xxhash",
+        "--num-kv-blocks=100",
+        "--max-num-seqs=8",
+        "--max-num-batched-tokens=512",
+        "--max-model-len=1024",
+        "--dtype=float32",
+        "--device=cpu",
+        "--served-model-name=mine",
+        "--api-key=a",
+        "--api-key=b",
+        env={"BRINE_API_KEY": "c"},
+    )
+    assert config.model == "/models/x" and config.enable_prefix_caching is False
+    assert (config.block_size, config.prefix_caching_hash_algo, config.num_blocks) == (32, "xxhash", 100)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (8, 512, 1024)
+    assert (config.dtype, config.device, config.served_model_name) == ("float32", "cpu", "mine")
+    assert keys == ["a", "b", "c"]
+
+
+def test_kv_cache_memory_parses_sizes() -> None:
+    assert _config("--kv-cache-memory=512MiB")[0].kv_cache_memory == 512 * 2**20
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--block-size=0"], ["--prefix-caching-hash-algo=md5"], ["--kv-cache-memory=lots"], ["--port=x"]],
+)
+def test_bad_flags_exit(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+
+
+def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in (
+        "--host", "--port", "--enable-prefix-caching", "--no-enable-prefix-caching", "--block-size",
+        "--prefix-caching-hash-algo", "--kv-cache-memory", "--num-kv-blocks", "--max-num-seqs",
+        "--max-num-batched-tokens", "--max-model-len", "--dtype", "--device", "--served-model-name",
+        "--api-key", "--log-level", "cache_salt", "BRINE_API_KEY",
+    ):  # fmt: skip
+        assert flag in text, flag
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "serve" in capsys.readouterr().out
+
+
+def test_serve_wires_engine_metrics_and_app(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    seen: dict[str, Any] = {}
+    fake = FakeEngine(model_name="served")
+    fake._core = type("Core", (), {"kv": type("KV", (), {"num_blocks": 10, "block_size": 16})()})()  # type: ignore[attr-defined]
+
+    def resolve(name: str | None) -> model_files.ModelFiles:
+        seen["resolved"] = name
+        return model_files.ModelFiles("resolved-name", tmp_path, "test source")
+
+    def from_config(config: EngineConfig) -> FakeEngine:
+        seen["config"] = config
+        return fake
+
+    def run(app: Any, host: str, port: int, log_level: str) -> None:
+        seen["uvicorn"] = (host, port, log_level)
+        client = TestClient(app)
+        seen["unauthorized"] = client.get("/v1/models").status_code
+        seen["metrics"] = client.get("/metrics", headers={"Authorization": "Bearer k"}).text
+
+    monkeypatch.setattr(model_files, "resolve_model", resolve)
+    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(from_config))
+    monkeypatch.setattr("uvicorn.run", run)
+    caplog.set_level(logging.INFO)
+    assert cli.main(["serve", "m", "--port", "9", "--api-key", "k", "--log-level", "warning"]) == 0
+    config = seen["config"]
+    assert seen["resolved"] == "m" and config.model == str(tmp_path)
+    assert config.served_model_name == "resolved-name"
+    assert any(isinstance(s, PrometheusStatLogger) for s in config.stat_loggers)
+    assert seen["uvicorn"] == ("127.0.0.1", 9, "warning")
+    assert seen["unauthorized"] == 401 and "brine_kv_cache_usage_perc" in seen["metrics"]
+    assert not fake.healthy  # shut down when uvicorn returned
+
+
+def test_serve_logs_what_it_loaded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    fake = FakeEngine(model_name="served")
+    fake._core = type("Core", (), {"kv": type("KV", (), {"num_blocks": 10, "block_size": 16})()})()  # type: ignore[attr-defined]
+    monkeypatch.setattr(model_files, "resolve_model", lambda n: model_files.ModelFiles("x", tmp_path, "src"))
+
+    def from_config(config: EngineConfig) -> FakeEngine:
+        fake.enable_prefix_caching = config.enable_prefix_caching
+        return fake
+
+    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(from_config))
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)  # keep caplog's handler
+    caplog.set_level(logging.INFO, logger="brine.serve")
+    cli.main(["serve", "--no-enable-prefix-caching"])
+    text = caplog.text
+    assert "loading x from src" in text and "160 tokens" in text
+    assert "prefix caching: off (--no-enable-prefix-caching)" in text
+
+
+def test_serve_reports_a_missing_model(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def missing(name: str | None) -> None:
+        raise model_files.ModelNotFoundError("cannot find model 'nope'")
+
+    monkeypatch.setattr(model_files, "resolve_model", missing)
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    assert cli.main(["serve", "nope"]) == 1
+    assert "cannot find model 'nope'" in caplog.text

@@ -1,0 +1,83 @@
+"""Property tests from OpenAI's published spec: for generated createChatCompletion, createCompletion and
+listModels requests, the server never answers 5xx and every documented (200) JSON response matches the schema.
+
+Runs in-process over ASGI with the fake engine. The spec (~3 MB) is parsed once per session. Requests are
+generated from the spec, then nudged so that a useful share reaches generation: the model is set to the served
+one (otherwise nearly all would be 404s), stream is forced off (only JSON responses are validated), and n /
+max_tokens are capped so a case stays fast. Everything else is left as generated. A second, smaller run uses
+schemathesis' negative mode (bodies that violate the spec) and only checks that none of them gets a 5xx.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hypothesis_compat
+import pytest
+import schemathesis
+from fake_engine import FakeEngine
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance
+from server_helpers import MODEL
+
+from server.app import create_app
+
+SPEC = Path(__file__).resolve().parents[3] / "shared" / "openai-openapi.yaml"
+OPERATIONS = ["createChatCompletion", "createCompletion", "listModels"]
+MAX_EXAMPLES = 40
+NEGATIVE_EXAMPLES = 10
+
+# The spec is OpenAPI 3.1, which schemathesis 3.x supports behind this switch.
+schemathesis.experimental.OPEN_API_3_1.enable()
+hypothesis_compat.install()
+
+
+@pytest.fixture(scope="session")
+def openai_schema() -> schemathesis.BaseSchema:
+    if not SPEC.is_file():
+        pytest.skip(f"{SPEC} not found")
+    app = create_app(FakeEngine(model_name=MODEL, max_model_len=2048))
+    return schemathesis.from_path(str(SPEC), app=app).include(operation_id=OPERATIONS)
+
+
+schema = schemathesis.from_pytest_fixture("openai_schema")
+
+
+def _nudge(body: object) -> None:
+    if not isinstance(body, dict):
+        return
+    body["model"] = MODEL
+    body["stream"] = False
+    for key, cap in (("n", 2), ("max_tokens", 16), ("max_completion_tokens", 16)):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            body[key] = cap
+
+
+@schema.parametrize()
+@settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
+def test_spec_conformance(case: schemathesis.Case) -> None:
+    _nudge(case.body)
+    response = case.call()
+    assert response.status_code < 500, response.text
+    case.validate_response(response, checks=(not_a_server_error, response_schema_conformance))
+
+
+@schema.parametrize(data_generation_methods=[schemathesis.DataGenerationMethod.negative])
+@settings(
+    max_examples=NEGATIVE_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
+def test_spec_violations_are_client_errors(case: schemathesis.Case) -> None:
+    """Bodies that break the spec (wrong types, missing fields, out-of-range values) get a 4xx, never 5xx."""
+    if isinstance(case.body, dict):
+        case.body["stream"] = False
+    response = case.call()
+    assert response.status_code < 500, response.text
+    case.validate_response(response, checks=(not_a_server_error,))
