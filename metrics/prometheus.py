@@ -1,0 +1,178 @@
+"""Prometheus exporter: turns the engine's per-step stats into the text a scraper reads at `GET /metrics`.
+
+Every metric is named `brine_*` and carries one label, `model_name`, plus `finished_reason` on the request
+counter. Nothing tenant-specific ever becomes a label (no cache salt, no API key): labels are public to
+whoever can scrape, and a per-tenant label would also grow the series count without bound.
+
+Each logger owns its own `CollectorRegistry`, so two engines (or two tests) in one process never share or
+collide on series. Counters start at 0 when the logger is built and are never reset: resetting the prefix
+cache empties the cache, not the history of what it served.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from metrics.stats import IterationStats, SchedulerStats
+
+# Pre-created so every reason is exported as 0 before the first request finishes: a scraper computing
+# rate() needs the series to exist before it increments.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Bucket bounds in seconds, wide enough for a 2-core CPU (slow) and a GPU (fast) alike.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+
+
+def token_buckets(max_tokens: int = 131072) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_tokens: request sizes span five orders of magnitude."""
+    out: list[float] = []
+    base = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * base > max_tokens:
+                return tuple(out)
+            out.append(float(m * base))
+        base *= 10
+
+
+class PrometheusStatLogger:
+    """A `StatLogger` that keeps Prometheus metrics; `render()` serves them."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        # record() runs on the engine's step thread, render() on the server's: the lock keeps a scrape from
+        # seeing half a step (queries counted, hits not yet), which would show a false hit rate.
+        self._lock = threading.Lock()
+        reg, label = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=reg).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=reg).labels(model_name)
+
+        # Counters (prometheus-client appends `_total` to the exposed sample name).
+        self.prefix_cache_queries = counter(
+            "brine_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache, once per request at first scheduling.",
+        )
+        self.prefix_cache_hits = counter(
+            "brine_prefix_cache_hits", "Of the looked-up prompt tokens, those found in the prefix cache."
+        )
+        self.prefix_cache_preempted_queries = counter(
+            "brine_prefix_cache_preempted_queries",
+            "Prompt tokens looked up again when a preempted request is rescheduled.",
+        )
+        self.prefix_cache_preempted_hits = counter(
+            "brine_prefix_cache_preempted_hits",
+            "Of the preempted lookups, tokens found in the prefix cache.",
+        )
+        self.prefix_cache_evictions = counter(
+            "brine_prefix_cache_evictions",
+            "Cached KV blocks whose prefix hash was dropped to reuse the block.",
+        )
+        self.num_preemptions = counter(
+            "brine_num_preemptions", "Requests preempted (KV blocks freed, recomputed)."
+        )
+        self.prompt_tokens = counter(
+            "brine_prompt_tokens", "Prompt tokens computed by the model (prefix-cache hits are not computed)."
+        )
+        self.generation_tokens = counter("brine_generation_tokens", "Tokens generated.")
+        success = Counter(
+            "brine_request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self._success_family = success
+
+        # Gauges: the state after the latest step.
+        self.num_running = gauge("brine_num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("brine_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("brine_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.num_cached_blocks = gauge(
+            "brine_num_cached_blocks", "KV blocks holding a prefix hash (reusable by a later request)."
+        )
+
+        # Histograms.
+        self.ttft = histogram("brine_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "brine_inter_token_latency_seconds", "Time between consecutive output tokens.", TPOT_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "brine_time_per_output_token_seconds",
+            "Per finished request: mean time per output token after the first.",
+            TPOT_BUCKETS,
+        )
+        self.e2e_latency = histogram(
+            "brine_e2e_request_latency_seconds", "Arrival to finish, per request.", LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "brine_request_queue_time_seconds", "Arrival to first scheduled, per request.", LATENCY_BUCKETS
+        )
+        self.prompt_length = histogram(
+            "brine_request_prompt_tokens", "Prompt length per finished request.", token_buckets()
+        )
+        self.generation_length = histogram(
+            "brine_request_generation_tokens", "Generated tokens per finished request.", token_buckets()
+        )
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        s, it = scheduler_stats, iteration_stats
+        with self._lock:
+            self.num_running.set(s.num_running)
+            self.num_waiting.set(s.num_waiting)
+            self.kv_cache_usage.set(s.kv_cache_usage)
+            self.num_cached_blocks.set(s.num_cached_blocks)
+            # Counter.inc(0) is legal; negative values would raise, which is the engine's bug to see.
+            self.prefix_cache_queries.inc(s.prefix_cache_queries)
+            self.prefix_cache_hits.inc(s.prefix_cache_hits)
+            self.prefix_cache_preempted_queries.inc(s.prefix_cache_preempted_queries)
+            self.prefix_cache_preempted_hits.inc(s.prefix_cache_preempted_hits)
+            self.prefix_cache_evictions.inc(s.num_evictions)
+            self.num_preemptions.inc(s.num_preemptions)
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+            self.generation_tokens.inc(it.num_generation_tokens)
+            for t in it.ttfts:
+                self.ttft.observe(t)
+            for t in it.inter_token_latencies:
+                self.inter_token_latency.observe(t)
+            for f in it.finished:
+                # An engine may hand over its FinishReason enum: use its value, never str(enum).
+                reason = str(getattr(f.finish_reason, "value", f.finish_reason))
+                child = self.request_success.get(reason)
+                if child is None:  # an unknown reason still gets counted, under its own label
+                    child = self.request_success[reason] = self._success_family.labels(
+                        self.model_name, reason
+                    )
+                child.inc()
+                self.e2e_latency.observe(f.e2e_latency)
+                self.queue_time.observe(f.queue_time)
+                self.prompt_length.observe(f.num_prompt_tokens)
+                self.generation_length.observe(f.num_generation_tokens)
+                if f.num_generation_tokens > 1:  # one token has no inter-token time to average
+                    self.time_per_output_token.observe(f.mean_time_per_output_token)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for `GET /metrics`, in the Prometheus text format."""
+        with self._lock:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,166 @@
+"""PrometheusStatLogger: feed known steps, parse render() with prometheus_client's parser, check exact values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from metrics.prometheus import FINISH_REASONS, PrometheusStatLogger, token_buckets
+from metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+MODEL = "smollm2-135m-instruct"
+
+
+def samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} from the exposition text, as a scraper would read it."""
+    body, content_type = logger.render()
+    assert content_type.startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(logger: PrometheusStatLogger, name: str, **labels: str) -> float:
+    return samples(logger)[(name, tuple(sorted({"model_name": MODEL, **labels}.items())))]
+
+
+def finished(reason: str = "stop", prompt: int = 10, gen: int = 4, **kw: float) -> FinishedRequestStats:
+    d = dict(num_cached_tokens=0, e2e_latency=1.0, queue_time=0.1, ttft=0.3, mean_time_per_output_token=0.05)
+    d.update(kw)
+    return FinishedRequestStats(reason, prompt, gen, **d)
+
+
+def test_counters_exist_at_zero_before_any_step() -> None:
+    log = PrometheusStatLogger(MODEL)
+    for name in ("brine_prefix_cache_queries_total", "brine_prefix_cache_hits_total",
+                 "brine_prefix_cache_preempted_queries_total", "brine_prefix_cache_preempted_hits_total",
+                 "brine_prefix_cache_evictions_total", "brine_num_preemptions_total",
+                 "brine_prompt_tokens_total", "brine_generation_tokens_total"):  # fmt: skip
+        assert value(log, name) == 0.0
+    for reason in FINISH_REASONS:
+        assert value(log, "brine_request_success_total", finished_reason=reason) == 0.0
+    assert value(log, "brine_kv_cache_usage_perc") == 0.0
+    assert value(log, "brine_time_to_first_token_seconds_count") == 0.0
+
+
+def test_prefix_cache_counters_accumulate_tokens_and_keep_preempted_apart() -> None:
+    log = PrometheusStatLogger(MODEL)
+    log.record(SchedulerStats(prefix_cache_queries=1000, prefix_cache_hits=0), IterationStats())
+    log.record(SchedulerStats(prefix_cache_queries=1010, prefix_cache_hits=992), IterationStats())
+    log.record(
+        SchedulerStats(prefix_cache_preempted_queries=300, prefix_cache_preempted_hits=288, num_preemptions=2,
+                       num_evictions=5),
+        IterationStats(),
+    )  # fmt: skip
+    assert value(log, "brine_prefix_cache_queries_total") == 2010
+    assert value(log, "brine_prefix_cache_hits_total") == 992
+    assert value(log, "brine_prefix_cache_preempted_queries_total") == 300
+    assert value(log, "brine_prefix_cache_preempted_hits_total") == 288
+    assert value(log, "brine_num_preemptions_total") == 2
+    assert value(log, "brine_prefix_cache_evictions_total") == 5
+
+
+def test_gauges_show_the_latest_step() -> None:
+    log = PrometheusStatLogger(MODEL)
+    log.record(SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.5, num_cached_blocks=40),
+               IterationStats())  # fmt: skip
+    log.record(SchedulerStats(num_running=1, num_waiting=0, kv_cache_usage=0.125, num_cached_blocks=64),
+               IterationStats())  # fmt: skip
+    assert value(log, "brine_num_requests_running") == 1
+    assert value(log, "brine_num_requests_waiting") == 0
+    assert value(log, "brine_kv_cache_usage_perc") == 0.125
+    assert value(log, "brine_num_cached_blocks") == 64
+
+
+def test_tokens_requests_and_histograms() -> None:
+    log = PrometheusStatLogger(MODEL)
+    log.record(
+        SchedulerStats(), IterationStats(num_prompt_tokens=20, num_generation_tokens=2, ttfts=[0.3, 0.7])
+    )
+    log.record(
+        SchedulerStats(),
+        IterationStats(
+            num_generation_tokens=2,
+            inter_token_latencies=[0.02, 0.04],
+            finished=[finished("stop", prompt=12, gen=3, e2e_latency=2.0, queue_time=0.25,
+                               mean_time_per_output_token=0.03),
+                      finished("length", prompt=8, gen=1, e2e_latency=0.5, queue_time=0.75)],
+        ),
+    )  # fmt: skip
+    assert value(log, "brine_prompt_tokens_total") == 20
+    assert value(log, "brine_generation_tokens_total") == 4
+    assert value(log, "brine_request_success_total", finished_reason="stop") == 1
+    assert value(log, "brine_request_success_total", finished_reason="length") == 1
+    assert value(log, "brine_request_success_total", finished_reason="abort") == 0
+    assert value(log, "brine_time_to_first_token_seconds_count") == 2
+    assert value(log, "brine_time_to_first_token_seconds_sum") == pytest.approx(1.0)
+    assert value(log, "brine_time_to_first_token_seconds_bucket", le="0.5") == 1
+    assert value(log, "brine_time_to_first_token_seconds_bucket", le="+Inf") == 2
+    assert value(log, "brine_inter_token_latency_seconds_count") == 2
+    assert value(log, "brine_inter_token_latency_seconds_sum") == pytest.approx(0.06)
+    assert value(log, "brine_e2e_request_latency_seconds_sum") == pytest.approx(2.5)
+    assert value(log, "brine_request_queue_time_seconds_sum") == pytest.approx(1.0)
+    assert value(log, "brine_request_prompt_tokens_sum") == 20
+    assert value(log, "brine_request_prompt_tokens_bucket", le="10.0") == 1
+    assert value(log, "brine_request_generation_tokens_sum") == 4
+    # A one-token request has no time between tokens: only the 3-token request is observed.
+    assert value(log, "brine_time_per_output_token_seconds_count") == 1
+    assert value(log, "brine_time_per_output_token_seconds_sum") == pytest.approx(0.03)
+
+
+def test_enum_finish_reason_uses_its_value() -> None:
+    from enum import Enum
+
+    class Reason(str, Enum):
+        ABORT = "abort"
+
+    log = PrometheusStatLogger(MODEL)
+    log.record(SchedulerStats(), IterationStats(finished=[finished(Reason.ABORT)]))  # type: ignore[arg-type]
+    assert value(log, "brine_request_success_total", finished_reason="abort") == 1
+
+
+def test_registries_are_separate_and_labels_carry_nothing_tenant_specific() -> None:
+    a, b = PrometheusStatLogger(MODEL), PrometheusStatLogger(MODEL)
+    a.record(SchedulerStats(prefix_cache_queries=7), IterationStats())
+    assert value(a, "brine_prefix_cache_queries_total") == 7
+    assert value(b, "brine_prefix_cache_queries_total") == 0
+    label_names = {name for (_, labels) in samples(a) for name, _ in labels}
+    assert label_names <= {"model_name", "finished_reason", "le"}
+    assert all(name.startswith("brine_") for (name, _) in samples(a))
+
+
+def test_render_is_consistent_while_another_thread_records() -> None:
+    log = PrometheusStatLogger(MODEL)
+    stop = threading.Event()
+
+    def engine() -> None:
+        while not stop.is_set():
+            log.record(SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=10), IterationStats())
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        for _ in range(50):
+            s = samples(log)
+            key = tuple(sorted({"model_name": MODEL}.items()))
+            # Each step adds queries and hits together: a scrape must never see one without the other.
+            assert s[("brine_prefix_cache_queries_total", key)] == s[("brine_prefix_cache_hits_total", key)]
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(60) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
+
+
+def test_metrics_package_imports_neither_torch_nor_engine() -> None:
+    code = "import sys, metrics; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', 'server', 'kv_cache')]; print(bad); sys.exit(1 if bad else 0)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
