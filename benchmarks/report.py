@@ -1,0 +1,192 @@
+"""Turn benchmark results into numbers, a markdown report and PNG charts.
+
+`summarize` is per workload run; `markdown` and `charts` take every run of a comparison (server x workload).
+Only what was measured is shown: a server that does not report cached tokens or cache counters gets "n/a",
+never a 0 that would read as "no hits".
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from benchmarks.serve_bench import WorkloadResult
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(r: WorkloadResult) -> dict:
+    ok = [x for x in r.requests if x.ok]
+    ttfts = [x.ttft for x in ok if x.ttft is not None]
+    by_tag: dict[str, list[float]] = defaultdict(list)
+    cached_by_tag: dict[str, list[int | None]] = defaultdict(list)
+    for x in ok:
+        if x.ttft is not None:
+            by_tag[x.tag].append(x.ttft)
+        cached_by_tag[x.tag].append(x.cached_tokens)
+    out_tokens = sum(x.completion_tokens or 0 for x in ok)
+    prompt = [x.prompt_tokens for x in ok]
+    cached = [x.cached_tokens for x in ok]
+    reported = all(c is not None for c in cached) and bool(ok)
+    return {
+        "workload": r.workload,
+        "server": r.server,
+        "params": r.params,
+        "requests": len(r.requests),
+        "ok": len(ok),
+        "errors": [x.error for x in r.requests if not x.ok][:5],
+        "duration_s": r.duration,
+        "request_throughput": len(ok) / r.duration if r.duration > 0 else None,
+        "output_token_throughput": out_tokens / r.duration if r.duration > 0 else None,
+        "prompt_tokens": sum(p for p in prompt if p is not None)
+        if all(p is not None for p in prompt)
+        else None,
+        "cached_tokens": sum(c for c in cached if c is not None) if reported else None,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p90": percentile(ttfts, 90),
+        "ttft_p99": percentile(ttfts, 99),
+        "ttft_mean_by_tag": {tag: mean(v) for tag, v in by_tag.items()},
+        "cached_tokens_by_tag": {
+            tag: (sum(c for c in v if c is not None) if all(c is not None for c in v) else None)
+            for tag, v in cached_by_tag.items()
+        },
+        "itl_mean": mean([i for x in ok for i in x.itls]),
+        "e2e_p50": percentile([x.e2e for x in ok if x.e2e is not None], 50),
+        "cache_queries": r.cache_queries,
+        "cache_hits": r.cache_hits,
+        "hit_rate": r.hit_rate,
+    }
+
+
+def fmt(v: float | int | None, unit: str = "", digits: int = 3) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, int):
+        return f"{v}{unit}"
+    return f"{v:.{digits}g}{unit}"
+
+
+def pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
+def cached_cell(s: dict) -> str:
+    if s["cached_tokens"] is None and s["prompt_tokens"] is None:
+        return "n/a"
+    return f"{fmt(s['cached_tokens'])}/{fmt(s['prompt_tokens'])}"
+
+
+def markdown(summaries: list[dict], header: str) -> str:
+    lines = [header, ""]
+    lines += ["| workload | server | ok/sent | req/s | out tok/s | TTFT p50 | TTFT p90 | TTFT p99 | "
+              "cold TTFT | warm TTFT | cached tokens | hit rate (/metrics) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in summaries:
+        tags = s["ttft_mean_by_tag"]
+        lines.append(
+            f"| {s['workload']} | {s['server']} | {s['ok']}/{s['requests']} | {fmt(s['request_throughput'])} | "
+            f"{fmt(s['output_token_throughput'])} | {fmt(s['ttft_p50'], ' s')} | {fmt(s['ttft_p90'], ' s')} | "
+            f"{fmt(s['ttft_p99'], ' s')} | {fmt(tags.get('cold'), ' s')} | {fmt(tags.get('warm'), ' s')} | "
+            f"{cached_cell(s)} | {pct(s['hit_rate'])} |"
+        )
+    iso = [s for s in summaries if s["workload"] == "isolation"]
+    if iso:
+        lines += ["", "Isolation: tenant B sends tenant A's exact prompt under another `cache_salt`.", "",
+                  "| server | A cold TTFT | A warm TTFT | B TTFT | B / A cold | B cached tokens |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for s in iso:
+            t, c = s["ttft_mean_by_tag"], s["cached_tokens_by_tag"]
+            cold, b = t.get("cold"), t.get("other-tenant")
+            ratio = b / cold if b is not None and cold else None
+            lines.append(f"| {s['server']} | {fmt(cold, ' s')} | {fmt(t.get('warm'), ' s')} | {fmt(b, ' s')} | "
+                         f"{fmt(ratio, 'x', 2)} | {fmt(c.get('other-tenant'))} |")  # fmt: skip
+    errors = [(s["server"], s["workload"], e) for s in summaries for e in s["errors"]]
+    if errors:
+        lines += ["", "Errors (first few):", ""] + [f"- {srv} / {wl}: `{e}`" for srv, wl, e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def charts(summaries: list[dict], results: list[WorkloadResult], out_prefix: Path) -> list[Path]:
+    """Three PNGs: cold vs warm TTFT (doc-qa), TTFT vs cached prefix length (prefix-sweep), throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and in CI
+    import matplotlib.pyplot as plt
+
+    paths: list[Path] = []
+    servers = list(dict.fromkeys(s["server"] for s in summaries))
+
+    docqa = {s["server"]: s for s in summaries if s["workload"] == "doc-qa"}
+    if docqa:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = [n for n in servers if n in docqa]
+        for i, kind in enumerate(("cold", "warm")):
+            vals = [docqa[n]["ttft_mean_by_tag"].get(kind) or 0.0 for n in names]
+            bars = ax.bar([j + 0.4 * i for j in range(len(names))], vals, 0.4, label=kind)
+            ax.bar_label(bars, fmt="%.2f s", fontsize=8)  # warm bars are too short to read otherwise
+        ax.set_xticks([j + 0.2 for j in range(len(names))], names)
+        ax.set_ylabel("mean TTFT (s)")
+        ax.set_title("doc-qa: first question (cold) vs later questions (warm)")
+        ax.legend()
+        paths.append(_save(fig, out_prefix, "ttft_cold_warm"))
+
+    sweep = [r for r in results if r.workload == "prefix-sweep"]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for n, r in enumerate(sweep):
+            for kind, style in (("cold", "--"), ("warm", "-")):
+                pts = sorted((int(x.group.split("-")[1]), x.ttft) for x in r.requests
+                             if x.ok and x.tag == kind and x.ttft is not None)  # fmt: skip
+                if pts:
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        style,
+                        marker="o",
+                        color=f"C{n}",  # one colour per server: cold dashed, warm solid
+                        label=f"{r.server} {kind}",
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("shared prefix length (tokens, approx.)")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title("TTFT vs cached prefix length")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_prefix, "ttft_vs_prefix"))
+
+    workloads = list(dict.fromkeys(s["workload"] for s in summaries if s["workload"] != "prefix-sweep"))
+    if workloads:
+        fig, ax = plt.subplots(figsize=(9, 4))
+        width = 0.8 / max(1, len(servers))
+        by = {(s["server"], s["workload"]): s for s in summaries}
+        for i, name in enumerate(servers):
+            vals = [(by.get((name, w)) or {}).get("request_throughput") or 0.0 for w in workloads]
+            ax.bar([j + width * i for j in range(len(workloads))], vals, width, label=name)
+        ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(workloads))], workloads)
+        ax.set_ylabel("requests / s")
+        ax.set_title("Request throughput per workload")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_prefix, "throughput"))
+    return paths
+
+
+def _save(fig, out_prefix: Path, name: str) -> Path:  # noqa: ANN001 (matplotlib Figure, imported lazily)
+    path = out_prefix.with_name(f"{out_prefix.name}_{name}.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

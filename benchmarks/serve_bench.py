@@ -1,0 +1,221 @@
+"""Client side of the benchmarks: send a workload to any OpenAI-compatible server and time every token.
+
+Per request: time to first token (TTFT), inter-token latencies, end-to-end latency, prompt / cached /
+completion tokens (from the final usage chunk where the server sends one). Around the run it reads the
+server's `/metrics` and, where the `brine_prefix_cache_*` counters exist, reports the run's prefix-cache hit
+rate as delta hits / delta queries. Runs are bounded: a workload's request count, and a time limit after which
+no new request starts.
+
+    python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --workload doc-qa
+"""
+
+from __future__ import annotations
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from benchmarks.workloads import WORKLOADS, BenchRequest, Workload, build
+
+CACHE_COUNTERS = ("brine_prefix_cache_queries_total", "brine_prefix_cache_hits_total")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    tag: str
+    group: str
+    salt: str | None
+    ok: bool = False
+    error: str | None = None
+    ttft: float | None = None  # seconds from sending to the first non-empty text
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)  # gaps between later text chunks
+    prompt_tokens: int | None = None  # None where the server sent no usage
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    start: float = 0.0  # seconds since the workload started
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    workload: str
+    server: str
+    params: dict
+    concurrency: int
+    duration: float
+    requests: list[RequestResult]
+    cache_queries: float | None = None  # delta of brine_prefix_cache_queries_total over the run
+    cache_hits: float | None = None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.cache_queries is None or self.cache_hits is None or self.cache_queries == 0:
+            return None
+        return self.cache_hits / self.cache_queries
+
+
+async def read_cache_counters(client: httpx.AsyncClient, base_url: str) -> tuple[float, float] | None:
+    """(queries, hits) from /metrics, or None for a server without the brine counters."""
+    try:
+        r = await client.get(f"{base_url}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                if s.name in CACHE_COUNTERS:
+                    found[s.name] = found.get(s.name, 0.0) + s.value
+    except ValueError:  # not Prometheus text
+        return None
+    if set(found) != set(CACHE_COUNTERS):
+        return None
+    return found[CACHE_COUNTERS[0]], found[CACHE_COUNTERS[1]]
+
+
+async def send(
+    client: httpx.AsyncClient, base_url: str, model: str, req: BenchRequest, api: str, t0: float
+) -> RequestResult:
+    res = RequestResult(req.tag, req.group, req.salt)
+    body: dict = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
+                  "stream_options": {"include_usage": True}}  # fmt: skip
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    if req.salt is not None:
+        body["cache_salt"] = req.salt
+    url = f"{base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
+    start = time.perf_counter()
+    res.start = start - t0
+    last: float | None = None
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                now = time.perf_counter()
+                for choice in event.get("choices") or []:
+                    text = choice.get("text") if api != "chat" else (choice.get("delta") or {}).get("content")
+                    if text:
+                        chunks += 1
+                        if last is None:
+                            res.ttft = now - start
+                        else:
+                            res.itls.append(now - last)
+                        last = now
+                usage = event.get("usage")
+                if usage:
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                    res.completion_tokens = usage.get("completion_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens")
+        res.e2e = time.perf_counter() - start
+        if res.completion_tokens is None:  # no usage chunk: one chunk per token is the usual streaming shape
+            res.completion_tokens = chunks
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def run_workload(
+    base_url: str,
+    workload: Workload,
+    *,
+    model: str | None = None,
+    server: str = "",
+    api: str = "completions",
+    time_limit_s: float = 600.0,
+    request_timeout_s: float = 300.0,
+    progress: bool = True,
+) -> WorkloadResult:
+    """Send the workload's requests in order, at most `workload.concurrency` in flight; none starts after
+    `time_limit_s` (those are left out of the result)."""
+    base_url = base_url.rstrip("/")
+    async with httpx.AsyncClient(timeout=request_timeout_s) as client:
+        if model is None:
+            model = (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
+        before = await read_cache_counters(client, base_url)
+        sem = asyncio.Semaphore(workload.concurrency)
+        t0 = time.perf_counter()
+        bar = tqdm(
+            total=len(workload.requests), desc=f"{server or base_url} {workload.name}", disable=not progress
+        )
+
+        async def one(req: BenchRequest) -> RequestResult | None:
+            async with sem:  # acquired in submission order, so sequential workloads keep their order
+                if time.perf_counter() - t0 > time_limit_s:
+                    return None
+                res = await send(client, base_url, model, req, api, t0)
+                bar.update(1)
+                return res
+
+        results = await asyncio.gather(*(one(r) for r in workload.requests))
+        duration = time.perf_counter() - t0
+        bar.close()
+        after = await read_cache_counters(client, base_url)
+    out = WorkloadResult(workload.name, server, workload.params, workload.concurrency, duration,
+                         [r for r in results if r is not None])  # fmt: skip
+    if before is not None and after is not None:
+        out.cache_queries, out.cache_hits = after[0] - before[0], after[1] - before[1]
+    return out
+
+
+def to_json(result: WorkloadResult) -> dict:
+    return {**asdict(result), "hit_rate": result.hit_rate}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--workload", choices=[*WORKLOADS, "prefix-sweep"], default="doc-qa")
+    p.add_argument("--model", default=None, help="default: the first id at /v1/models")
+    p.add_argument("--api", choices=["completions", "chat"], default="completions")
+    p.add_argument("--seed", type=int, default=None, help="default: random (a cold start on a warm server)")
+    p.add_argument(
+        "--time-limit", type=float, default=600.0, help="no request starts after this many seconds"
+    )
+    p.add_argument(
+        "--size", action="append", default=[], metavar="NAME=INT", help="e.g. --size doc_tokens=500"
+    )
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    args = p.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    sizes = {k: int(v) for k, v in (s.split("=", 1) for s in args.size)}
+    workload = build(args.workload, seed, **sizes)
+    result = asyncio.run(run_workload(args.base_url, workload, model=args.model, api=args.api,
+                                      time_limit_s=args.time_limit))  # fmt: skip
+    from benchmarks.report import summarize
+
+    print(json.dumps({"seed": seed, **summarize(result)}, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"seed": seed, **to_json(result)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

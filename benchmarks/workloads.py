@@ -1,0 +1,182 @@
+"""Benchmark workloads: lists of requests built from a seed, never from real data.
+
+Each workload is a `Workload`: the requests in the order they are sent, and how many may be in flight at
+once. The text is random words from a fixed vocabulary, so a "document" of N tokens costs N tokens of
+prefill on any tokenizer (about 1.3 tokens per word on SmolLM2's) and two documents never share a prefix
+by accident. Every document starts with a random id and a header naming the workload and seed, so a rerun
+with another seed starts cold on a server that is still warm from the last run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+WORKLOADS = ("doc-qa", "tenants", "prefix-repetition", "unique", "isolation")
+WORDS_PER_TOKEN = 0.75  # measured on SmolLM2's tokenizer with this vocabulary: ~1.33 tokens per word
+VOCAB = (
+    "river stone garden lamp orbit copper violet engine harbor meadow signal canvas lantern prism thunder "
+    "willow beacon falcon glacier marble ember quartz saddle timber velvet anchor cobalt dune feather granite "
+    "jasmine kettle ledger mosaic nectar oyster pepper quiver raven spindle tulip umber vessel walnut zephyr "
+    "amber basalt cedar delta forest silver morning window paper bridge castle mountain ocean valley winter "
+    "summer yellow purple orange market school doctor teacher letter number people water little house world"
+).split()
+QUESTIONS = (
+    "Which word appears first?", "Which word appears most often?", "How many sentences are there?",
+    "Summarize the text in one line.", "Which colour is mentioned last?", "Name three nouns from the text.",
+    "Is the word river in the text?", "What is the tenth word?", "Which word is the longest?",
+    "Write a title for this text.", "Does the text mention the ocean?", "Which word ends the text?",
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: str
+    tag: str  # what this request is for the report: "cold", "warm", "other-tenant", "unique", ...
+    group: str = ""  # the shared prefix or tenant it belongs to
+    salt: str | None = None  # sent as cache_salt when set
+    max_tokens: int = 16
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    requests: list[BenchRequest]
+    concurrency: int = 1
+    params: dict[str, int] = field(default_factory=dict)  # the sizes it was built with, for the report
+
+
+def document(rng: random.Random, tokens: int, header: str) -> str:
+    """About `tokens` tokens of synthetic sentences, starting with `header` so it is unique to its use."""
+    words = [rng.choice(VOCAB) for _ in range(max(1, int(tokens * WORDS_PER_TOKEN)))]
+    sentences = [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, len(words), 12)]
+    # A random id comes first: documents then differ from their second token on, so no two share a block.
+    return f"Document {rng.getrandbits(32):08x} ({header}).\n" + " ".join(sentences)
+
+
+def ask(doc: str, question: str) -> str:
+    return f"{doc}\n\nAnswer briefly.\nQuestion: {question}\nAnswer:"
+
+
+def doc_qa(seed: int, doc_tokens: int = 2000, questions: int = 6, max_tokens: int = 16) -> Workload:
+    """One long document, then different questions about it: the first is cold, the rest reuse the document."""
+    rng = random.Random(seed)
+    doc = document(rng, doc_tokens, f"doc-qa {seed}")
+    reqs = [
+        BenchRequest(
+            ask(doc, QUESTIONS[i % len(QUESTIONS)]), "cold" if i == 0 else "warm", "doc", None, max_tokens
+        )
+        for i in range(questions)
+    ]
+    return Workload("doc-qa", reqs, 1, {"doc_tokens": doc_tokens, "questions": questions})
+
+
+def tenants(
+    seed: int, num_tenants: int = 3, doc_tokens: int = 1000, rounds: int = 3, max_tokens: int = 16
+) -> Workload:
+    """T tenants, each with its own document and cache_salt, asking in round-robin order."""
+    rng = random.Random(seed)
+    docs = [document(rng, doc_tokens, f"tenants {seed} tenant {t}") for t in range(num_tenants)]
+    reqs = [
+        BenchRequest(
+            ask(docs[t], QUESTIONS[(r + t) % len(QUESTIONS)]),
+            "cold" if r == 0 else "warm",
+            f"tenant-{t}",
+            f"tenant-{seed}-{t}",
+            max_tokens,
+        )  # fmt: skip
+        for r in range(rounds)
+        for t in range(num_tenants)
+    ]
+    return Workload("tenants", reqs, 1, {"tenants": num_tenants, "doc_tokens": doc_tokens, "rounds": rounds})
+
+
+def prefix_repetition(
+    seed: int,
+    prefixes: int = 4,
+    repeats: int = 4,
+    prefix_tokens: int = 500,
+    concurrency: int = 4,
+    max_tokens: int = 16,
+) -> Workload:
+    """P shared prefixes x R requests each (distinct suffixes), shuffled, sent C at a time."""
+    rng = random.Random(seed)
+    docs = [document(rng, prefix_tokens, f"prefix-repetition {seed} prefix {p}") for p in range(prefixes)]
+    reqs = [
+        BenchRequest(
+            ask(docs[p], f"{QUESTIONS[r % len(QUESTIONS)]} (variant {r})"),
+            "shared",
+            f"prefix-{p}",
+            None,
+            max_tokens,
+        )  # fmt: skip
+        for p in range(prefixes)
+        for r in range(repeats)
+    ]
+    rng.shuffle(reqs)
+    params = {
+        "prefixes": prefixes,
+        "repeats": repeats,
+        "prefix_tokens": prefix_tokens,
+        "concurrency": concurrency,
+    }
+    return Workload("prefix-repetition", reqs, concurrency, params)
+
+
+def unique(
+    seed: int, num_requests: int = 12, prompt_tokens: int = 500, concurrency: int = 4, max_tokens: int = 16
+) -> Workload:
+    """No shared prefixes at all: the cache can only cost here, never pay."""
+    rng = random.Random(seed)
+    reqs = [
+        BenchRequest(
+            ask(document(rng, prompt_tokens, f"unique {seed} request {i}"), QUESTIONS[i % len(QUESTIONS)]),
+            "unique",
+            f"request-{i}",
+            None,
+            max_tokens,
+        )  # fmt: skip
+        for i in range(num_requests)
+    ]
+    params = {"requests": num_requests, "prompt_tokens": prompt_tokens, "concurrency": concurrency}
+    return Workload("unique", reqs, concurrency, params)
+
+
+def isolation(seed: int, doc_tokens: int = 1000, max_tokens: int = 16) -> Workload:
+    """Tenant A asks twice; tenant B sends A's exact first prompt under its own salt.
+
+    A's first request is the cold baseline for the same prompt; B must be as slow as that and report 0 cached
+    tokens: a fast B would tell B that A had sent this text.
+    """
+    rng = random.Random(seed)
+    doc = document(rng, doc_tokens, f"isolation {seed}")
+    a, b = f"tenant-a-{seed}", f"tenant-b-{seed}"
+    prompt = ask(doc, QUESTIONS[0])
+    reqs = [
+        BenchRequest(prompt, "cold", "tenant-a", a, max_tokens),
+        BenchRequest(ask(doc, QUESTIONS[1]), "warm", "tenant-a", a, max_tokens),
+        BenchRequest(prompt, "other-tenant", "tenant-b", b, max_tokens),
+    ]
+    return Workload("isolation", reqs, 1, {"doc_tokens": doc_tokens})
+
+
+def prefix_sweep(
+    seed: int, lengths: tuple[int, ...] = (256, 512, 1024, 2048), max_tokens: int = 8
+) -> Workload:
+    """For each length L: a cold request on a fresh L-token document, then a warm one on the same document."""
+    rng = random.Random(seed)
+    reqs: list[BenchRequest] = []
+    for length in lengths:
+        doc = document(rng, length, f"prefix-sweep {seed} length {length}")
+        reqs.append(BenchRequest(ask(doc, QUESTIONS[0]), "cold", f"len-{length}", None, max_tokens))
+        reqs.append(BenchRequest(ask(doc, QUESTIONS[1]), "warm", f"len-{length}", None, max_tokens))
+    return Workload("prefix-sweep", reqs, 1, {"lengths": len(lengths)})
+
+
+def build(name: str, seed: int, **sizes: int) -> Workload:
+    """A workload by name; `sizes` override the builder's keyword defaults (unknown ones raise TypeError)."""
+    builders = {"doc-qa": doc_qa, "tenants": tenants, "prefix-repetition": prefix_repetition, "unique": unique,
+                "isolation": isolation, "prefix-sweep": prefix_sweep}  # fmt: skip
+    if name not in builders:
+        raise ValueError(f"unknown workload {name!r}; choose from {sorted(builders)}")
+    return builders[name](seed, **sizes)

@@ -1,0 +1,201 @@
+"""Smoke test of the benchmark client and report against a tiny fake OpenAI-compatible server.
+
+The fake server streams completions word by word and keeps a toy prefix cache (salted, chained, blocks of 4
+words), reporting `usage.prompt_tokens_details.cached_tokens` and `brine_prefix_cache_*` counters at
+`/metrics`, so every workload's cache numbers are known exactly without loading a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is not an installed package
+
+from benchmarks import compare  # noqa: E402
+from benchmarks.report import percentile, summarize  # noqa: E402
+from benchmarks.serve_bench import run_workload  # noqa: E402
+from benchmarks.workloads import WORKLOADS, build  # noqa: E402
+
+BLOCK = 4
+
+
+def fake_app(with_metrics: bool = True, with_usage: bool = True) -> FastAPI:
+    app = FastAPI()
+    registry = CollectorRegistry()
+    queries = Counter("brine_prefix_cache_queries", "", ["model_name"], registry=registry).labels("fake")
+    hits = Counter("brine_prefix_cache_hits", "", ["model_name"], registry=registry).labels("fake")
+    cache: set[int] = set()
+    app.state.in_flight = app.state.max_in_flight = 0
+
+    def lookup_and_store(tokens: list[str], salt: str | None) -> int:
+        parent, matched, chain = hash(("root", salt)), 0, True
+        for i in range(len(tokens) // BLOCK):
+            parent = hash((parent, tuple(tokens[i * BLOCK : (i + 1) * BLOCK])))
+            if chain and parent in cache:
+                matched += BLOCK
+            else:
+                chain = False
+            cache.add(parent)
+        return min(matched, (len(tokens) - 1) // BLOCK * BLOCK)  # the last token is always computed
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    if with_metrics:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(registry), media_type="text/plain")
+
+    async def generate(body: dict, chat: bool):
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        tokens = prompt.split()
+        cached = lookup_and_store(tokens, body.get("cache_salt"))
+        queries.inc(len(tokens))
+        hits.inc(cached)
+        app.state.in_flight += 1
+        app.state.max_in_flight = max(app.state.max_in_flight, app.state.in_flight)
+        try:
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(0.02)
+                choice = (
+                    {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
+                )
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+        finally:
+            app.state.in_flight -= 1
+        if with_usage:
+            usage = {"prompt_tokens": len(tokens), "completion_tokens": body["max_tokens"],
+                     "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        return StreamingResponse(generate(await request.json(), False), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        return StreamingResponse(generate(await request.json(), True), media_type="text/event-stream")
+
+    return app
+
+
+def serve(app: FastAPI) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[str, FastAPI]]:
+    app = fake_app()
+    for url in serve(app):
+        yield url, app
+
+
+def run(url: str, name: str, **kw):  # noqa: ANN201
+    workload = build(name, seed=3, **compare.PRESETS["tiny"][name])
+    return workload, asyncio.run(run_workload(url, workload, server="fake", progress=False, **kw))
+
+
+def by_tag(result, tag: str) -> list:  # noqa: ANN001, ANN201
+    return [r for r in result.requests if r.tag == tag]
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_every_workload_runs_and_hit_rate_matches_usage(fake, name: str) -> None:  # noqa: ANN001
+    url, _ = fake
+    workload, result = run(url, name)
+    assert len(result.requests) == len(workload.requests)
+    assert all(r.ok for r in result.requests), [r.error for r in result.requests]
+    assert all(r.ttft is not None and r.completion_tokens == 4 and len(r.itls) == 3 for r in result.requests)
+    prompt = sum(r.prompt_tokens for r in result.requests)
+    cached = sum(r.cached_tokens for r in result.requests)
+    assert result.cache_queries == prompt  # /metrics deltas agree with what the requests were told
+    assert result.cache_hits == cached
+    assert result.hit_rate == (cached / prompt)
+
+
+def test_cold_warm_and_isolation_numbers(fake) -> None:  # noqa: ANN001
+    url, _ = fake
+    _, docqa = run(url, "doc-qa")
+    assert [r.cached_tokens == 0 for r in docqa.requests] == [True, False, False]
+    _, tenants = run(url, "tenants")  # round 0 is cold for every tenant: salts keep tenants apart
+    assert all(r.cached_tokens == 0 for r in by_tag(tenants, "cold"))
+    assert all(r.cached_tokens > 0 for r in by_tag(tenants, "warm"))
+    _, iso = run(url, "isolation")
+    assert by_tag(iso, "other-tenant")[0].cached_tokens == 0
+    assert by_tag(iso, "warm")[0].cached_tokens > 0
+    _, uniq = run(url, "unique")
+    assert uniq.hit_rate == 0.0
+    s = summarize(iso)
+    assert s["cached_tokens_by_tag"]["other-tenant"] == 0 and s["ok"] == 3
+
+
+def test_concurrency_is_bounded_and_reached(fake) -> None:  # noqa: ANN001
+    url, app = fake
+    workload, _ = run(url, "prefix-repetition")
+    assert app.state.max_in_flight == workload.concurrency == 2
+
+
+def test_time_limit_stops_new_requests(fake) -> None:  # noqa: ANN001
+    url, _ = fake
+    workload, result = run(url, "doc-qa", time_limit_s=0.05)  # each request streams for ~80 ms
+    assert 1 <= len(result.requests) < len(workload.requests)
+
+
+def test_chat_api_and_server_without_metrics_or_usage() -> None:
+    for url in serve(fake_app(with_metrics=False, with_usage=False)):
+        _, result = run(url, "doc-qa", api="chat")
+        assert all(r.ok and r.completion_tokens == 4 for r in result.requests)  # counted from chunks
+        assert result.hit_rate is None and result.cache_queries is None
+        s = summarize(result)
+        assert s["cached_tokens"] is None and s["prompt_tokens"] is None  # n/a, not 0
+
+
+def test_compare_writes_report_json_and_charts(fake, tmp_path: Path) -> None:  # noqa: ANN001
+    url, _ = fake
+    md_path = compare.main(["--external", f"fake={url}", "--preset", "tiny", "--out-dir", str(tmp_path),
+                            "--name", "smoke"])  # fmt: skip
+    md = md_path.read_text()
+    for name in (*WORKLOADS, "prefix-sweep"):
+        assert f"| {name} | fake |" in md
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    iso = next(s for s in data["summaries"] if s["workload"] == "isolation")
+    assert iso["cached_tokens_by_tag"]["other-tenant"] == 0
+    for chart in ("ttft_cold_warm", "ttft_vs_prefix", "throughput"):
+        png = tmp_path / f"smoke_{chart}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({png.name})" in md
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
