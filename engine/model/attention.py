@@ -1,0 +1,284 @@
+"""Paged attention: the per-step metadata, the backend interface, and the reference SDPA backend.
+
+The model computes q/k/v for every token of the flat batch, writes every new token's k/v into its slot
+(`write_kv`, all tokens of the step before any attention in that layer), then asks a backend to attend each
+request's queries over its whole context through its block table. A backend turns the step's
+`AttentionMetadata` into a plan once per step (`plan`), and reuses it in every layer (`forward`).
+
+`SdpaBackend` is the reference for CPU and CUDA: a request with no cached context runs causal SDPA on its
+new k/v directly, decode steps (one query each) are batched by context length into one gathered SDPA, and
+other chunks gather their context through the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's attention inputs. Host lists drive planning; tensors live on the model's device."""
+
+    query_lens: list[int]  # new tokens per request, in batch order
+    context_lens: list[int]  # tokens in the cache after this step: cached + new
+    block_tables: list[list[int]]  # per request: block ids covering at least context_lens[i] tokens
+    block_size: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of every new token
+    is_causal: bool = True
+    query_starts: list[int] = field(default_factory=list)  # filled in __post_init__: len num_reqs + 1
+
+    def __post_init__(self) -> None:
+        starts = [0]
+        for n in self.query_lens:
+            starts.append(starts[-1] + n)
+        self.query_starts = starts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+
+def build_metadata(
+    num_computed: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    is_causal: bool = True,
+) -> AttentionMetadata:
+    """Metadata for requests whose new tokens start at `num_computed[i]` (one host->device copy)."""
+    slots: list[int] = []
+    for start, n, table in zip(num_computed, query_lens, block_tables, strict=True):
+        for pos in range(start, start + n):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return AttentionMetadata(
+        query_lens=list(query_lens),
+        context_lens=[c + n for c, n in zip(num_computed, query_lens, strict=True)],
+        block_tables=block_tables,
+        block_size=block_size,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+        is_causal=is_causal,
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] into caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """Per-step preparation shared by every layer (masks, index tensors)."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], already written to the cache
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        plan: Any,
+        sliding_window: int | None,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    token_idx: torch.Tensor  # [B] positions of the decode tokens in the flat batch
+    block_table: torch.Tensor  # [B, nb] padded with block 0 (masked)
+    context_lens: torch.Tensor  # [B, 1, 1, 1]
+    key_pos: torch.Tensor  # [1, 1, 1, nb * block_size]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            m = self.key_pos < self.context_lens
+            if window is not None:
+                m &= self.key_pos > self.context_lens - 1 - window
+            self.masks[window] = m
+        return self.masks[window]
+
+
+@dataclass(slots=True)
+class _Chunk:
+    start: int
+    query_len: int
+    context_len: int
+    blocks: torch.Tensor  # [ceil(context_len / block_size)]
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SdpaPlan:
+    fresh: list[tuple[int, int]]  # (start, query_len): no cached context, attend over the new k/v only
+    decode_groups: list[_DecodeGroup]
+    chunks: list[_Chunk]
+    is_causal: bool
+
+
+def _chunk_mask(
+    query_len: int, context_len: int, window: int | None, is_causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """[query_len, context_len] bool, True where allowed; None when everything is allowed."""
+    if not is_causal:
+        return None
+    q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+class SdpaBackend:
+    """Reference paged attention on `scaled_dot_product_attention` (any device)."""
+
+    name = "sdpa"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def plan(self, meta: AttentionMetadata) -> SdpaPlan:
+        fresh: list[tuple[int, int]] = []
+        decodes: dict[int, list[int]] = {}  # padded block count -> request indices
+        chunks: list[_Chunk] = []
+        bs = meta.block_size
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+            start = meta.query_starts[i]
+            if n == ctx:
+                fresh.append((start, n))
+            elif n == 1:
+                # Group decodes whose contexts need a similar number of blocks: padding stays under 2x.
+                decodes.setdefault(_next_pow2(-(-ctx // bs)), []).append(i)
+            else:
+                nb = -(-ctx // bs)
+                blocks = torch.tensor(meta.block_tables[i][:nb], dtype=torch.int64).to(self.device)
+                chunks.append(_Chunk(start, n, ctx, blocks))
+        groups = [self._decode_group(meta, rows, nb) for nb, rows in sorted(decodes.items())]
+        return SdpaPlan(fresh, groups, chunks, meta.is_causal)
+
+    def _decode_group(self, meta: AttentionMetadata, rows: list[int], nb: int) -> _DecodeGroup:
+        nb = min(nb, max(len(meta.block_tables[i]) for i in rows))
+        table = [(meta.block_tables[i][:nb] + [0] * nb)[:nb] for i in rows]
+        host = torch.tensor(
+            [[meta.query_starts[i] for i in rows], [meta.context_lens[i] for i in rows]], dtype=torch.int64
+        )
+        dev = host.to(self.device, non_blocking=True)
+        return _DecodeGroup(
+            token_idx=dev[0],
+            block_table=torch.tensor(table, dtype=torch.int64).to(self.device, non_blocking=True),
+            context_lens=dev[1].view(-1, 1, 1, 1),
+            key_pos=torch.arange(nb * meta.block_size, device=self.device).view(1, 1, 1, -1),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: SdpaPlan,
+        sliding_window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for start, n in plan.fresh:
+            out[start : start + n] = self._prefill(
+                q[start : start + n],
+                k[start : start + n],
+                v[start : start + n],
+                plan.is_causal,
+                sliding_window,
+                scale,
+            )
+        for group in plan.decode_groups:
+            out.index_copy_(
+                0, group.token_idx, self._decode(q, k_cache, v_cache, group, sliding_window, scale)
+            )
+        for chunk in plan.chunks:
+            out[chunk.start : chunk.start + chunk.query_len] = self._chunk(
+                q, k_cache, v_cache, chunk, plan.is_causal, sliding_window, scale
+            )
+        return out
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, window: int | None, scale: float
+    ) -> torch.Tensor:
+        # 4-D [1, heads, tokens, head_dim] views: the 3-D form falls back to the slow math kernel on CPU.
+        n = q.shape[0]
+        mask = _chunk_mask(n, n, window, is_causal, q.device) if window is not None and window < n else None
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=is_causal and mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: _DecodeGroup,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        b, nb = group.block_table.shape
+        _, bs, kv_heads, dim = k_cache.shape
+        # One query per request: fold each kv head's query heads into the query-length axis, so SDPA
+        # sees [B, kv_heads, group, dim] against [B, kv_heads, context, dim] and needs no GQA expansion.
+        qg = q.index_select(0, group.token_idx).view(b, kv_heads, -1, dim)
+        # index_select on whole blocks is a plain row copy: several times faster than advanced indexing.
+        flat = group.block_table.view(-1)
+        kc = k_cache.index_select(0, flat).view(b, nb * bs, kv_heads, dim).transpose(1, 2)
+        vc = v_cache.index_select(0, flat).view(b, nb * bs, kv_heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=group.mask(window), scale=scale)
+        return o.reshape(b, -1, dim)
+
+    @staticmethod
+    def _chunk(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: _Chunk,
+        is_causal: bool,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        _, bs, kv_heads, dim = k_cache.shape
+        if window not in chunk.masks:
+            chunk.masks[window] = _chunk_mask(chunk.query_len, chunk.context_len, window, is_causal, q.device)
+        kc = k_cache.index_select(0, chunk.blocks).view(-1, kv_heads, dim)[: chunk.context_len]
+        vc = v_cache.index_select(0, chunk.blocks).view(-1, kv_heads, dim)[: chunk.context_len]
+        qc = q[chunk.start : chunk.start + chunk.query_len]
+        o = F.scaled_dot_product_attention(
+            qc.transpose(0, 1)[None],
+            kc.transpose(0, 1)[None],
+            vc.transpose(0, 1)[None],
+            attn_mask=chunk.masks[window],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)

@@ -1,0 +1,182 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat batch and a paged KV cache.
+
+Shapes: T = tokens of the whole step (all requests concatenated), H = query heads, Hkv = kv heads,
+D = head_dim. The numerics follow transformers' implementation op for op (RMSNorm in float32 then cast,
+RoPE cos/sin cast to the model dtype, residual adds in the model dtype), so logits agree closely in every
+dtype, not just float32. q/k/v and gate/up are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend, write_kv
+from engine.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[D / 2] inverse frequencies, with linear or llama3 scaling applied."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    p = cfg.rope
+    if cfg.rope_type == "linear":
+        inv = inv / p["factor"]
+    elif cfg.rope_type == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_len = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class Rotary:
+    """Rotate-half RoPE with a float32 cos/sin table for every position up to max_position_embeddings."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.cos = self.sin = torch.empty(0)
+
+    def build(self, device: torch.device) -> None:
+        # Not a buffer: the model is created on the meta device and this table is computed, not loaded.
+        pos = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, rope_inv_freq(self.cfg))  # [max_pos, D / 2]
+        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, D / 2] in `dtype` (cast before multiplying, as transformers does). Once per step."""
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D], rotate-half layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sliding_window = cfg.sliding_windows[layer]
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D / 2]
+        backend: AttentionBackend,
+        plan: object,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, h, d)), *rope)  # [T, H, D]
+            k = apply_rope(
+                self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d)), *rope
+            )
+        else:
+            # q and k rotate together: one set of elementwise ops instead of two (decode is op-bound).
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), *rope)
+            q, k = qk[:, :h], qk[:, h:]
+        # Every token of the step is in the cache before any request attends: a request may read blocks
+        # that another request of the same step is filling.
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        o = backend.forward(q, k, v, k_cache, v_cache, plan, self.sliding_window, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids, positions, meta, k_caches, v_caches, logits_indices) -> float32 logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.rotary = Rotary(cfg)
+        self.attn_backend: AttentionBackend = SdpaBackend(torch.device("cpu"))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        logits_indices: torch.Tensor,  # [N]: rows of the batch whose next-token logits are wanted
+    ) -> torch.Tensor:  # [N, vocab] float32
+        backend = self.attn_backend
+        plan = backend.plan(meta)
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.lookup(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn(
+                layer.input_layernorm(h),
+                rope,
+                backend,
+                plan,
+                meta.slot_mapping,
+                k_caches[i],
+                v_caches[i],
+            )
+            h = h + attn
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        # Only the rows that sample (or ask for prompt logprobs) go through the norm and the vocab matmul.
+        h = self.norm(h.index_select(0, logits_indices))
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()

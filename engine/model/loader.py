@@ -1,0 +1,104 @@
+"""Build a `LlamaForCausalLM` from a local Hugging Face directory (config.json + *.safetensors).
+
+Parameters are created on the meta device and filled straight from the safetensors files in the target
+dtype, so loading never runs random initialisation and never holds two copies of the weights. The HF names
+are mapped onto our fused layout (q/k/v -> qkv_proj, gate/up -> gate_up_proj). Loading is strict: a missing
+tensor, an unexpected one, or a shape mismatch raises with the tensor's name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.config import ModelConfig, load_config
+from engine.model.llama import LlamaForCausalLM
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# HF suffix -> (our suffix, index of the shard in the fused parameter)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+    """Our parameter name and fused shard index for a checkpoint tensor; None to skip it."""
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None  # some tied checkpoints still store the copy
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name.startswith("model.") and not name.startswith("model.layers."):
+        return name.removeprefix("model."), None
+    m = _LAYER_RE.fullmatch(name)
+    if m:
+        layer, rest = m.groups()
+        module, _, kind = rest.rpartition(".")
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            return f"layers.{layer}.{fused}.{kind}", shard
+        return f"layers.{layer}.{rest}", None
+    return name, None
+
+
+def _fused_module(ours: str) -> str | None:
+    """'layers.3.self_attn.qkv_proj.bias' -> 'self_attn.qkv_proj'; None for unfused parameters."""
+    module = ours.split(".", 2)[-1].rsplit(".", 1)[0]
+    return module if module in ("self_attn.qkv_proj", "mlp.gate_up_proj") else None
+
+
+def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    params = dict(model.named_parameters())
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shard_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    filled: dict[str, int] = {}  # parameter -> shards loaded
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                target = _target(name, cfg)
+                if target is None:
+                    continue
+                ours, shard = target
+                if ours not in params:
+                    raise ValueError(f"unexpected tensor {name!r} in {path.name} for {cfg.architecture}")
+                param, tensor = params[ours], f.get_tensor(name)
+                dest = param.data
+                if shard is not None:
+                    sizes = shard_sizes[_fused_module(ours)]
+                    dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+                if dest.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor.to(dtype))
+                filled[ours] = filled.get(ours, 0) + 1
+    for ours in params:
+        fused = _fused_module(ours)
+        if filled.get(ours, 0) != (len(shard_sizes[fused]) if fused else 1):
+            raise ValueError(f"checkpoint in {model_dir} is missing weights for {ours!r}")
+    model.rotary.build(device)
+    model.eval()
+    return model

@@ -1,0 +1,215 @@
+"""ModelRunner: a SchedulerOutput in, one token per sampling request out.
+
+Owns the model, the KV tensors (`kv_cache.kv_store.KVStore`) and the sampler. Per step it builds host lists
+once, sends them with one host->device copy (input ids, positions, slots and logits rows share one int64
+tensor), runs the model, samples, and brings every result back with one device->host sync (tokens and
+logprobs packed into one float64 tensor: token ids are exact in float64).
+
+Rows of the logits, in order: one per request that samples (its last new token), then for requests asking
+prompt logprobs, one per new token whose next token is still a prompt token.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.model.attention import AttentionMetadata
+from engine.model.device import resolve_device, resolve_dtype, select_backend
+from engine.model.loader import load_model
+from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
+from engine.sampler import LogprobsOut, Sampler, SamplerOutput, token_logprobs
+from kv_cache.kv_store import KVStore
+
+__all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 * 2**30
+CUDA_KV_FRACTION = 0.9
+CUDA_HEADROOM_BYTES = 512 * 2**20  # activations and logits of the largest step stay outside the KV budget
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: Path | str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        num_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_model(Path(model_path), self.device, self.dtype)
+        cfg = self.model.cfg
+        self.config = cfg
+        self.architecture = cfg.architecture
+        self.is_causal = cfg.is_causal
+        self.max_model_len = cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = cfg.eos_token_ids
+        self.block_size = block_size
+        if num_blocks is None:
+            budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_budget()
+            num_blocks = KVStore.num_blocks_for_budget(
+                budget, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
+            )
+            if num_blocks < 1:
+                raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_size} tokens")
+        self.num_blocks = num_blocks
+        self.kv = KVStore(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
+        # Flex pads each request's queries to 16 rows: bound the padded rows of the largest step.
+        max_rows = max_num_batched_tokens + 16 * max_num_seqs
+        self.model.attn_backend = select_backend(self.device, num_blocks, block_size, max_rows)
+        self.sampler = Sampler(self.device, cfg.vocab_size, cfg.eos_token_ids)
+        logger.info(
+            "model %s on %s (%s), attention backend %s",
+            self.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.attention_backend,
+        )
+
+    @property
+    def attention_backend(self) -> str:
+        backend = self.model.attn_backend
+        return f"{backend.name} (failed over to sdpa)" if getattr(backend, "failed", None) else backend.name
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(0, int(free * CUDA_KV_FRACTION) - CUDA_HEADROOM_BYTES)
+
+    def drop_request(self, request_id: str) -> None:
+        """Forget per-request state. There is none: seeded sampling is derived from (seed, output index)."""
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for request_id in out.finished_request_ids:
+            self.drop_request(request_id)
+        if not out.scheduled:
+            return RunnerOutput({})
+        reqs = out.scheduled
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
+        for r in reqs:
+            start, n = r.num_computed_tokens, len(r.new_token_ids)
+            ctx = start + n
+            if n < 1 or len(r.block_ids) * bs < ctx:
+                raise ValueError(
+                    f"request {r.request_id}: {n} new tokens, {len(r.block_ids)} blocks for {ctx}"
+                )
+            row0 = len(input_ids)
+            input_ids += r.new_token_ids
+            positions += range(start, ctx)
+            table = r.block_ids
+            slots += [table[p // bs] * bs + p % bs for p in range(start, ctx)]
+            if r.sample:
+                sample_rows.append(row0 + n - 1)
+            if r.sampling_params.prompt_logprobs is not None:
+                # rows whose next token is still a prompt token
+                count = min(ctx, r.num_prompt_tokens - 1) - start
+                if count > 0:
+                    prompt_spans.append((r, len(prompt_rows), count))
+                    prompt_rows += range(row0, row0 + count)
+        if input_ids and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
+            raise ValueError(f"token id out of range for a vocabulary of {self.vocab_size}")
+        t = len(input_ids)
+        host = torch.tensor(input_ids + positions + slots + sample_rows + prompt_rows, dtype=torch.int64)
+        dev = host.to(self.device, non_blocking=True)
+        meta = AttentionMetadata(
+            query_lens=[len(r.new_token_ids) for r in reqs],
+            context_lens=[r.num_computed_tokens + len(r.new_token_ids) for r in reqs],
+            block_tables=[r.block_ids for r in reqs],
+            block_size=bs,
+            slot_mapping=dev[2 * t : 3 * t],
+            is_causal=self.is_causal,
+        )
+        logits = self.model(dev[:t], dev[t : 2 * t], meta, self.kv.k_caches, self.kv.v_caches, dev[3 * t :])
+        sampling = [r for r in reqs if r.sample]
+        ns = len(sample_rows)
+        parts: list[torch.Tensor] = []
+        sampled = self.sampler(logits[:ns], sampling) if sampling else None
+        if sampled is not None:
+            parts.append(sampled.token_ids)
+            if sampled.logprobs is not None:
+                parts += _flat(sampled.logprobs)
+        prompt_lp = None
+        targets = [
+            r.all_token_ids[r.num_computed_tokens + i + 1] for r, _, c in prompt_spans for i in range(c)
+        ]
+        if prompt_spans:
+            k = max(r.sampling_params.prompt_logprobs or 0 for r, _, _ in prompt_spans)
+            tgt = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+            prompt_lp = token_logprobs(logits[ns:], tgt, k)
+            parts += _flat(prompt_lp)
+        # The step's only device->host sync: every result in one float64 tensor (token ids are exact).
+        values = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist() if parts else []
+        return _unpack(values, sampling, sampled, prompt_spans, targets, prompt_lp)
+
+
+def _unpack(
+    values: list[float],
+    sampling: list[ScheduledRequest],
+    sampled: SamplerOutput | None,
+    prompt_spans: list[tuple[ScheduledRequest, int, int]],
+    prompt_targets: list[int],
+    prompt_lp: LogprobsOut | None,
+) -> RunnerOutput:
+    """Split the one synced list back into records, in the order execute() packed them."""
+    pos = 0
+
+    def take(n: int) -> list[float]:
+        nonlocal pos
+        pos += n
+        return values[pos - n : pos]
+
+    result = RunnerOutput({})
+    if sampled is not None:
+        tokens = [int(x) for x in take(len(sampling))]
+        result.sampled_token_ids = {r.request_id: tok for r, tok in zip(sampling, tokens, strict=True)}
+        if sampled.logprobs is not None:
+            records = _records(
+                take,
+                sampled.logprobs,
+                [tokens[i] for i in sampled.logprob_rows],
+                [sampling[i].sampling_params.logprobs or 0 for i in sampled.logprob_rows],
+            )
+            for i, rec in zip(sampled.logprob_rows, records, strict=True):
+                result.logprobs[sampling[i].request_id] = rec
+    if prompt_lp is not None:
+        ks = [r.sampling_params.prompt_logprobs or 0 for r, _, c in prompt_spans for _ in range(c)]
+        records = _records(take, prompt_lp, prompt_targets, ks)
+        for r, first, count in prompt_spans:
+            result.prompt_logprobs[r.request_id] = records[first : first + count]
+    return result
+
+
+def _flat(lp: LogprobsOut) -> list[torch.Tensor]:
+    return [lp.chosen, lp.top_ids, lp.top_vals]
+
+
+def _records(take, lp: LogprobsOut, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    m, k = lp.top_ids.shape
+    chosen = take(m)
+    ids = take(m * k)
+    vals = take(m * k)
+    return [
+        TokenLogprob(tokens[i], chosen[i], [(int(ids[i * k + j]), vals[i * k + j]) for j in range(ks[i])])
+        for i in range(m)
+    ]

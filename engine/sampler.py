@@ -1,0 +1,176 @@
+"""Turns one step's logits into one token per sampling request, plus the logprobs asked for.
+
+Order, as in vLLM: logprobs come from the raw model distribution (log-softmax of the logits before any
+penalty or temperature). Then repetition penalty (prompt + output tokens), frequency and presence penalties
+(output tokens), min_tokens (stop and EOS tokens masked), and either argmax (temperature 0) or temperature
+-> min-p -> top-k -> top-p -> a draw. Every step keeps everything batched on the device; only seeded rows
+loop, to draw their noise from their own generator.
+
+Seeds: a seeded request's noise for output token i comes from a generator seeded with mix(seed, i), so the
+same seed and prompt give the same tokens whatever else is in the batch, and also after a preemption that
+recomputes the request (stateless: the runner keeps no per-request sampler state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import ScheduledRequest
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): nearby seeds and steps give unrelated streams. Fits torch's 63 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+@dataclass(slots=True)
+class LogprobsOut:
+    chosen: torch.Tensor  # [M] logprob of the chosen token
+    top_ids: torch.Tensor  # [M, k] most likely tokens, best first (k = the largest asked in the batch)
+    top_vals: torch.Tensor  # [M, k]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsOut:
+    """Raw log-softmax logprobs of `token_ids` (one per row of `logits`) and the top-k alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], token_ids.new_zeros(len(lp), 0))
+    return LogprobsOut(chosen, top_ids, top_vals)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64, one per sampling request, in order
+    logprob_rows: list[int]  # which of the N asked for logprobs
+    logprobs: LogprobsOut | None  # rows of logprob_rows
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+class Sampler:
+    def __init__(self, device: torch.device, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._generator = torch.Generator(device=device)  # re-seeded per seeded row
+
+    def __call__(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SamplerOutput:
+        """logits: [N, vocab] float32, row i for reqs[i]."""
+        params = [r.sampling_params for r in reqs]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logits = logits.float()
+        raw = logits[lp_rows] if lp_rows else None  # before penalties: vLLM's raw logprobs
+        if any(_has_penalty(p) for p in params):
+            logits = self._apply_penalties(logits.clone(), reqs)
+        logits = self._apply_min_tokens(logits, reqs)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
+        if len(greedy) == len(reqs):
+            tokens = logits.argmax(dim=-1)
+        else:
+            rand = [i for i, p in enumerate(params) if not p.greedy]
+            if greedy:
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
+            tokens[rand] = self._sample([reqs[i] for i in rand], logits[rand])
+        out = None
+        if raw is not None:
+            k = max(params[i].logprobs or 0 for i in lp_rows)
+            out = token_logprobs(raw, tokens[lp_rows], k)
+        return SamplerOutput(tokens, lp_rows, out)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
+        out_r, out_t, seen_r, seen_t = [], [], [], []
+        for j, i in enumerate(rows):
+            r = reqs[i]
+            output = r.all_token_ids[r.num_prompt_tokens :]
+            out_r += [j] * len(output)
+            out_t += output
+            if r.sampling_params.repetition_penalty != 1.0:
+                seen_r += [j] * len(r.all_token_ids)
+                seen_t += r.all_token_ids
+        p = [reqs[i].sampling_params for i in rows]
+        host = torch.tensor(
+            [[q.repetition_penalty, q.frequency_penalty, q.presence_penalty] for q in p], dtype=torch.float32
+        )
+        idx = torch.tensor([out_r + seen_r, out_t + seen_t], dtype=torch.int64).to(logits.device)
+        coef = host.to(logits.device)
+        n_out = len(out_r)
+        sub = logits[rows]  # [P, vocab]
+        counts = torch.zeros_like(sub)
+        counts.index_put_(
+            (idx[0, :n_out], idx[1, :n_out]), torch.ones(n_out, device=sub.device), accumulate=True
+        )
+        seen = torch.zeros_like(sub, dtype=torch.bool)
+        seen[idx[0, n_out:], idx[1, n_out:]] = True
+        rep = coef[:, 0:1]
+        # Repetition penalty (prompt and output tokens): shrink positive logits, push negative ones down.
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - coef[:, 1:2] * counts - coef[:, 2:3] * (counts > 0).float()
+        logits[rows] = sub
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        rows, toks = [], []
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                stop = [t for t in stop if 0 <= t < logits.shape[1]]
+                rows += [i] * len(stop)
+                toks += stop
+        if rows:
+            idx = torch.tensor([rows, toks], dtype=torch.int64).to(logits.device)
+            logits = logits.index_put((idx[0], idx[1]), torch.tensor(float("-inf"), device=logits.device))
+        return logits
+
+    def _sample(self, reqs: list[ScheduledRequest], logits: torch.Tensor) -> torch.Tensor:
+        params = [r.sampling_params for r in reqs]
+        vocab = logits.shape[1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        # Rows without top-p get an unreachable threshold: a cumulative sum can round to slightly over 1.
+        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        host = torch.tensor(
+            [[p.temperature, p.min_p, k, tp] for p, k, tp in zip(params, top_k, top_p, strict=True)],
+            dtype=torch.float32,
+        )
+        cols = host.to(logits.device, non_blocking=True)  # one copy for all four per-row settings
+        logits = logits / cols[:, 0:1]
+        if any(p.min_p > 0 for p in params):
+            probs = logits.softmax(dim=-1)
+            too_small = probs < cols[:, 1:2] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(too_small, float("-inf"))
+        if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+            logits = self._top_k_top_p(logits, cols[:, 2:3], cols[:, 3:4])
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each row own its noise.
+        noise = torch.empty_like(probs)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) < len(params):
+            noise.exponential_()
+        for i in seeded:
+            self._generator.manual_seed(mix_seed(params[i].seed, reqs[i].num_output_tokens))
+            noise[i].exponential_(generator=self._generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """top_k, top_p: [N, 1] float (k = vocab and p = 2 where disabled)."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the mass of the tokens ranked above it already reaches top_p (keeps the first).
+        before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)

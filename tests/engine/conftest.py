@@ -1,0 +1,132 @@
+"""Fixtures for the model tests: tiny random checkpoints of every supported architecture, saved the way a
+real model directory is (config.json + model.safetensors), with the transformers model kept as the reference,
+and a small driver (`Paged`) that runs our model over requests with explicit, non-contiguous block tables.
+
+(CUDA-marked tests are skipped by the suite-wide hook in tests/conftest.py.)
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    initializer_range=0.1,  # sharper attention than the default 0.02: a wrong mask shows in the logits
+)
+
+# name -> (transformers config class name, extra config); covers each family's differences.
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            )
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(sliding_window=None, num_key_value_heads=1)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=6)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+}
+
+
+@pytest.fixture(params=list(ARCHS))
+def arch(request: pytest.FixtureRequest) -> str:
+    """Each supported architecture variant in turn."""
+    return request.param
+
+
+@dataclass
+class TinyModel:
+    path: Path
+    hf: torch.nn.Module  # transformers' model with the very same weights, float32, eval mode
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """[len(token_ids), vocab] reference logits of the whole sequence."""
+        with torch.no_grad():
+            return self.hf(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyModel]:
+    import transformers
+
+    cache: dict[str, TinyModel] = {}
+
+    def make(name: str) -> TinyModel:
+        if name not in cache:
+            cls_name, extra = ARCHS[name]
+            cfg = getattr(transformers, cls_name)(**{**TINY, **extra})
+            torch.manual_seed(1234)
+            hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+            path = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(path, safe_serialization=True)
+            cache[name] = TinyModel(path, hf)
+        return cache[name]
+
+    return make
+
+
+class Paged:
+    """Runs our model step by step over a paged cache; hands out block ids in shuffled order."""
+
+    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0) -> None:
+        from engine.model.attention import build_metadata
+
+        self._build = build_metadata
+        cfg = model.cfg
+        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=weight.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros_like(x) for x in self.k]
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)  # deliberately non-contiguous tables
+
+    def alloc(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def table_for(self, num_tokens: int) -> list[int]:
+        return self.alloc(-(-num_tokens // self.block_size))
+
+    def step(self, batch: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
+        """batch: (new token ids, num already computed, block table) per request -> logits of every new
+        token, per request."""
+        ids = [t for new, _, _ in batch for t in new]
+        pos = [p for new, start, _ in batch for p in range(start, start + len(new))]
+        meta = self._build(
+            [s for _, s, _ in batch],
+            [len(n) for n, _, _ in batch],
+            [t for _, _, t in batch],
+            self.block_size,
+            self.device,
+        )
+        dev = torch.tensor([ids, pos], dtype=torch.int64).to(self.device)
+        logits = self.model(dev[0], dev[1], meta, self.k, self.v, torch.arange(len(ids), device=self.device))
+        return list(logits.split([len(n) for n, _, _ in batch]))
+
+
+@pytest.fixture
+def paged() -> type[Paged]:
+    return Paged

@@ -1,0 +1,187 @@
+"""Sampler: greedy, seeded draws, top-k / top-p / min-p, penalties, min_tokens and raw logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.outputs import ScheduledRequest
+from engine.sampler import Sampler, mix_seed
+from engine.sampling_params import SamplingParams
+
+V = 32
+
+
+def _req(params: SamplingParams, tokens=(1, 2, 3), num_prompt: int = 3, rid: str = "r") -> ScheduledRequest:
+    tokens = list(tokens)
+    return ScheduledRequest(
+        rid, tokens[-1:], len(tokens) - 1, [0], True, params, tokens, num_prompt, len(tokens) - num_prompt
+    )
+
+
+def _sampler() -> Sampler:
+    return Sampler(torch.device("cpu"), V, eos_token_ids=(2,))
+
+
+def _logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = _logits(5)
+    out = _sampler()(logits, [_req(SamplingParams(temperature=0.0)) for _ in range(5)])
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+
+
+def test_top_k_one_equals_greedy():
+    logits = _logits(8, 1)
+    reqs = [_req(SamplingParams(temperature=1.3, top_k=1)) for _ in range(8)]
+    assert _sampler()(logits, reqs).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_tiny_top_p_equals_greedy():
+    logits = _logits(8, 2)
+    reqs = [_req(SamplingParams(temperature=1.0, top_p=1e-6)) for _ in range(8)]
+    assert _sampler()(logits, reqs).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def _seeded_run(seed: int, position: int, batch_size: int, steps: int = 12) -> list[int]:
+    """Draw `steps` tokens for a seeded request placed at `position` among unseeded companions."""
+    sampler, logits = _sampler(), _logits(1, 3).expand(batch_size, V).clone()
+    tokens = []
+    for step in range(steps):
+        reqs = [_req(SamplingParams(temperature=1.0), rid=f"o{i}") for i in range(batch_size)]
+        mine = _req(SamplingParams(temperature=1.0, seed=seed), tokens=[1, 2, 3] + tokens)
+        reqs[position] = mine
+        torch.manual_seed(1000 + step * 7 + batch_size)  # the companions' noise changes with the batch
+        tokens.append(sampler(logits, reqs).token_ids[position].item())
+        assert mine.num_output_tokens == step
+    return tokens
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    alone = _seeded_run(seed=42, position=0, batch_size=1)
+    assert _seeded_run(seed=42, position=3, batch_size=5) == alone
+    assert _seeded_run(seed=42, position=1, batch_size=2) == alone
+    assert _seeded_run(seed=43, position=0, batch_size=1) != alone
+    assert len(set(alone)) > 1  # a real draw, not a constant
+
+
+def test_mix_seed_spreads_nearby_inputs():
+    values = {mix_seed(s, i) for s in range(20) for i in range(20)}
+    assert len(values) == 400 and all(0 <= v < 2**63 for v in values)
+
+
+def _frequencies(params: SamplingParams, probs: list[float], n: int = 4000) -> list[float]:
+    logits = torch.tensor(probs).log().expand(n, len(probs)).clone()
+    torch.manual_seed(0)
+    sampler = Sampler(torch.device("cpu"), len(probs))
+    tokens = sampler(logits, [_req(params) for _ in range(n)]).token_ids
+    return (torch.bincount(tokens, minlength=len(probs)).float() / n).tolist()
+
+
+PROBS = [0.4, 0.3, 0.2, 0.1]
+
+
+def test_plain_sampling_follows_the_distribution():
+    freq = _frequencies(SamplingParams(temperature=1.0), PROBS)
+    assert all(abs(f - p) < 0.03 for f, p in zip(freq, PROBS, strict=True))
+
+
+def test_temperature_sharpens_and_flattens():
+    cold = _frequencies(SamplingParams(temperature=0.5), PROBS)
+    hot = _frequencies(SamplingParams(temperature=2.0), PROBS)
+    want_cold = [p**2 / sum(q**2 for q in PROBS) for p in PROBS]
+    want_hot = [math.sqrt(p) / sum(math.sqrt(q) for q in PROBS) for p in PROBS]
+    assert all(abs(f - p) < 0.03 for f, p in zip(cold, want_cold, strict=True))
+    assert all(abs(f - p) < 0.03 for f, p in zip(hot, want_hot, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("params", "kept"),
+    [
+        (SamplingParams(top_k=2), [0, 1]),
+        (SamplingParams(top_p=0.5), [0, 1]),  # 0.4 < 0.5, so the second token is still needed
+        (SamplingParams(top_p=0.75), [0, 1, 2]),
+        (SamplingParams(min_p=0.45), [0, 1, 2]),  # keeps p >= 0.45 * 0.4
+        (SamplingParams(min_p=0.8), [0]),
+        (SamplingParams(top_k=3, top_p=0.5), [0, 1]),
+    ],
+)
+def test_filters_keep_exactly_the_expected_tokens(params, kept):
+    freq = _frequencies(params, PROBS)
+    assert {i for i, f in enumerate(freq) if f > 0} == set(kept)
+    total = sum(PROBS[i] for i in kept)
+    assert all(abs(freq[i] - PROBS[i] / total) < 0.03 for i in kept)
+
+
+def test_penalties_change_logits_as_specified():
+    logits = torch.tensor([[4.0, -1.0, 2.0, 1.0, 0.5, 3.0]])
+    # prompt [0, 1], output [2, 2, 3]
+    req = _req(
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        tokens=[0, 1, 2, 2, 3],
+        num_prompt=2,
+    )
+    out = Sampler(torch.device("cpu"), 6)._apply_penalties(logits.clone(), [req])
+    want = [
+        4.0 / 2,  # prompt token, positive: divided
+        -1.0 * 2,  # prompt token, negative: multiplied
+        2.0 / 2 - 0.5 * 2 - 0.25,  # output twice: repetition, then frequency x2 and presence once
+        1.0 / 2 - 0.5 - 0.25,
+        0.5,  # never seen
+        3.0,
+    ]
+    torch.testing.assert_close(out[0], torch.tensor(want))
+
+
+def test_frequency_and_presence_ignore_prompt_tokens():
+    logits = torch.zeros(1, 4)
+    req = _req(SamplingParams(frequency_penalty=1.0, presence_penalty=1.0), tokens=[1, 1, 1, 2], num_prompt=3)
+    out = Sampler(torch.device("cpu"), 4)._apply_penalties(logits.clone(), [req])
+    assert out[0].tolist() == [0.0, 0.0, -2.0, 0.0]
+
+
+def test_penalty_steers_greedy_away_from_repeats():
+    logits = torch.tensor([[1.0, 5.0, 4.9, 0.0]])
+    sampler = Sampler(torch.device("cpu"), 4)
+    plain = _req(SamplingParams(temperature=0.0), tokens=[0, 1, 1], num_prompt=1)
+    penalized = _req(SamplingParams(temperature=0.0, frequency_penalty=0.2), tokens=[0, 1, 1], num_prompt=1)
+    rows = sampler(logits.expand(2, 4).clone(), [plain, penalized]).token_ids.tolist()
+    assert rows == [1, 2]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.full((3, V), -5.0)
+    logits[:, 2] = 10.0  # EOS
+    logits[:, 7] = 9.0  # a stop token
+    logits[:, 11] = 8.0
+    sampler = _sampler()
+    early = _req(
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]), tokens=[1, 5, 6], num_prompt=2
+    )
+    done = _req(
+        SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[7]), tokens=[1, 5, 6], num_prompt=2
+    )
+    no_eos = _req(SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True), tokens=[1, 5], num_prompt=2)
+    assert sampler(logits, [early, done, no_eos]).token_ids.tolist() == [11, 2, 2]
+
+
+def test_logprobs_are_raw_and_sorted():
+    logits = _logits(3, 5)
+    reqs = [
+        _req(SamplingParams(temperature=0.7, logprobs=3, repetition_penalty=1.5, seed=1)),
+        _req(SamplingParams(temperature=0.0)),
+        _req(SamplingParams(temperature=0.0, logprobs=0, presence_penalty=1.0)),
+    ]
+    out = _sampler()(logits, reqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprob_rows == [0, 2]
+    tokens = out.token_ids.tolist()
+    torch.testing.assert_close(out.logprobs.chosen, raw[[0, 2], [tokens[0], tokens[2]]])
+    top_vals, top_ids = raw[0].topk(3)
+    assert out.logprobs.top_ids[0].tolist() == top_ids.tolist()
+    torch.testing.assert_close(out.logprobs.top_vals[0], top_vals)
