@@ -132,17 +132,20 @@ class KVStore:
         return cls(num_layers, n, block_size, num_kv_heads, head_dim, dtype, device)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store K/V of `num_tokens` tokens into their slots.
+        """Store K/V of `num_tokens` tokens of `layer` into their slots (see `write_slots`)."""
+        write_slots(self.k_caches[layer], self.v_caches[layer], k, v, slot_mapping)
 
-        k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] integer slots (block_id *
-        block_size + offset), on the store's device, each distinct (duplicate slots write in undefined order).
-        """
-        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
-        rows = self.num_blocks * self.block_size
-        # k_caches[layer]: [num_blocks, block_size, H, D] -> flat [num_slots, H, D] (a view: contiguous)
-        self.k_caches[layer].view(rows, self.num_kv_heads, self.head_dim).index_copy_(
-            0, slots, k.to(self.dtype)
-        )
-        self.v_caches[layer].view(rows, self.num_kv_heads, self.head_dim).index_copy_(
-            0, slots, v.to(self.dtype)
-        )
+
+def write_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The one place that writes K/V pages: the model's attention layers call it with one layer's caches.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+    slot_mapping: [num_tokens] integer slots (block_id * block_size + offset) on the caches' device, each
+    distinct (duplicate slots write in undefined order).
+    """
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    # [num_blocks, block_size, H, D] -> flat [num_slots, H, D] (a view: the caches are contiguous)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))

@@ -1,7 +1,7 @@
 """Paged attention: the per-step metadata, the backend interface, and the reference SDPA backend.
 
 The model computes q/k/v for every token of the flat batch, writes every new token's k/v into its slot
-(`write_kv`, all tokens of the step before any attention in that layer), then asks a backend to attend each
+(`kv_cache.kv_store.write_slots`, all tokens of the step before any attention in that layer), then asks a backend to attend each
 request's queries over its whole context through its block table. A backend turns the step's
 `AttentionMetadata` into a plan once per step (`plan`), and reuses it in every layer (`forward`).
 
@@ -63,14 +63,6 @@ def build_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
         is_causal=is_causal,
     )
-
-
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim] into caches [num_blocks, block_size, num_kv_heads, head_dim]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 class AttentionBackend(Protocol):

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend, write_kv
+from engine.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
 from engine.model.config import ModelConfig
+from kv_cache.kv_store import write_slots
 
 
 class RMSNorm(nn.Module):
@@ -110,7 +111,7 @@ class Attention(nn.Module):
             q, k = qk[:, :h], qk[:, h:]
         # Every token of the step is in the cache before any request attends: a request may read blocks
         # that another request of the same step is filling.
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        write_slots(k_cache, v_cache, k, v, slot_mapping)
         o = backend.forward(q, k, v, k_cache, v_cache, plan, self.sliding_window, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
