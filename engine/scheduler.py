@@ -111,7 +111,7 @@ class Scheduler:
         # Requests just preempted for room must not be overtaken by newer ones in the same step.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             if self.kv.num_free_blocks == 0:
-                break  # every admission needs a new block; and a lookup now would only inflate the stats
+                break  # every admission needs a new block: skip a lookup that cannot succeed
             req = self.waiting[0]
             hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - hit.num_tokens, budget)

@@ -13,7 +13,7 @@ Rules a caller keeps:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kv_cache.block_pool import BlockPool
@@ -40,6 +40,10 @@ class CacheRequest(Protocol):
 class ComputedBlocks:
     block_ids: list[int]
     num_tokens: int  # len(block_ids) * block_size
+    # Tokens looked up (the request's length); 0 when no lookup happened (caching off, prompt logprobs).
+    # allocate_slots counts the query and the hit only when the admission succeeds, so a request that
+    # waits several steps for blocks is counted once, as the metrics promise.
+    num_queried_tokens: int = field(default=0, compare=False)
 
 
 class KVCacheManager:
@@ -83,7 +87,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: CacheRequest) -> ComputedBlocks:
         """The longest run of cached blocks from the start of the request, capped so that at least its last
-        token is computed (its logits are needed). Records query/hit stats; takes no references."""
+        token is computed (its logits are needed). Takes no references and records no stats: those are
+        recorded by the allocate_slots call that admits the request with this result."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return ComputedBlocks([], 0)
         hashes = request.block_hashes
@@ -95,9 +100,7 @@ class KVCacheManager:
             if b is None:
                 break
             ids.append(b)
-        num_hit = len(ids) * self.block_size
-        self._stats.record(request.num_tokens, num_hit, request.num_preemptions > 0)
-        return ComputedBlocks(ids, num_hit)
+        return ComputedBlocks(ids, len(ids) * self.block_size, request.num_tokens)
 
     def allocate_slots(
         self, request: CacheRequest, num_new_tokens: int, computed: ComputedBlocks | None = None
@@ -134,6 +137,8 @@ class KVCacheManager:
             self._num_cached[rid] = len(hit)
         new_ids = pool.take(num_new_blocks) if num_new_blocks else []
         blocks.extend(new_ids)
+        if computed is not None and computed.num_queried_tokens:
+            self._stats.record(computed.num_queried_tokens, computed.num_tokens, request.num_preemptions > 0)
         if self.enable_caching:
             # Cache blocks as soon as they are full of known tokens (they are computed in this step), so that
             # a request scheduled later in the same step can already hit them.

@@ -337,3 +337,22 @@ def test_zero_new_tokens_and_bad_arguments() -> None:
         KVCacheManager(0, 4)
     with pytest.raises(ValueError):
         KVCacheManager(4, 0)
+
+
+def test_stats_count_an_admission_once_however_many_lookups_failed_to_allocate() -> None:
+    mgr = KVCacheManager(4, 4)
+    a = make_req(mgr, "a", range(12))
+    admit(mgr, a)  # 3 of 4 blocks held
+    mgr.make_prefix_cache_stats()
+    b = make_req(mgr, "b", list(range(8)) + [90, 91, 92, 93, 94])  # hits a's first 2 blocks, needs 2 more
+    for _ in range(3):  # the scheduler retries the waiting head every step while blocks are short
+        computed = mgr.get_computed_blocks(b)
+        assert computed == ComputedBlocks([0, 1], 8)
+        assert mgr.allocate_slots(b, b.num_tokens - computed.num_tokens, computed) is None
+    assert mgr.make_prefix_cache_stats() == PrefixCacheStats()
+    mgr.free(a)
+    computed, new = admit(mgr, b)
+    assert computed.block_ids == [0, 1] and new is not None
+    s = mgr.make_prefix_cache_stats()
+    assert (s.requests, s.queries, s.hits) == (1, 13, 8)
+    check(mgr)

@@ -78,9 +78,7 @@ class KVMachine(RuleBasedStateMachine):
     def schedule_waiting(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(self.waiting))
         computed = self.mgr.get_computed_blocks(req)
-        if self.enable_caching and not req.skip_reading_prefix_cache:
-            self.expected_queries += req.num_tokens
-            self.expected_hits += computed.num_tokens
+        counted = self.enable_caching and not req.skip_reading_prefix_cache
         assert computed.num_tokens == len(computed.block_ids) * BS < req.num_tokens
         for i, b in enumerate(computed.block_ids):
             assert self.pages[b] == req.all_token_ids[i * BS : (i + 1) * BS], "hit on a block with other data"
@@ -90,6 +88,10 @@ class KVMachine(RuleBasedStateMachine):
                 event("hit revives a free block")
         n = data.draw(st.integers(1, req.num_tokens - computed.num_tokens))
         if self._allocate(req, n, computed.num_tokens, computed):
+            # Stats are per admission: a lookup whose allocation fails is not counted.
+            if counted:
+                self.expected_queries += req.num_tokens
+                self.expected_hits += computed.num_tokens
             self.waiting.remove(req)
             self.running.append(req)
 
