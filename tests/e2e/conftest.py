@@ -14,7 +14,17 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from e2e_server import API_KEY, ROOT, STARTUP_TIMEOUT_S, BrineServer, free_port, make_client, serve_command
+from e2e_server import (
+    API_KEY,
+    ROOT,
+    STARTUP_TIMEOUT_S,
+    BrineServer,
+    free_port,
+    is_idle,
+    make_client,
+    serve_command,
+    wait_for_metrics,
+)
 
 
 @pytest.fixture(scope="session")
@@ -66,4 +76,18 @@ def async_client(brine_server: BrineServer) -> openai.AsyncOpenAI:
         max_retries=0,
         timeout=300,
         _strict_response_validation=True,
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_block_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that used the server, every KV block must come back (aborts land within a step)."""
+    yield
+    if "brine_server" not in request.fixturenames:
+        return
+    server: BrineServer = request.getfixturevalue("brine_server")
+    after = wait_for_metrics(server, is_idle)
+    assert is_idle(after), (
+        f"blocks still held after the test: kv usage {after['brine_kv_cache_usage_perc']}, "
+        f"running {after['brine_num_requests_running']}, waiting {after['brine_num_requests_waiting']}"
     )

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 600  # the first start converts the GGUF; a busy 2-core machine is slow
@@ -52,4 +55,34 @@ def make_client(server: BrineServer, *, api_key: str | None = None, strict: bool
         max_retries=0,
         timeout=300,
         _strict_response_validation=strict,
+    )
+
+
+def scrape_metrics(server: BrineServer) -> dict[str, float]:
+    """/metrics as {sample name: value}, summed over model_name; request counters keyed `name/reason`."""
+    r = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10)
+    assert r.status_code == 200
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            key = s.name + ("/" + s.labels["finished_reason"] if "finished_reason" in s.labels else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def wait_for_metrics(server: BrineServer, pred, timeout: float = 30.0) -> dict[str, float]:
+    """Scrape until `pred(metrics)` holds or `timeout` passes; returns the last scrape either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape_metrics(server)
+        if pred(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def is_idle(m: dict[str, float]) -> bool:
+    return (
+        m["brine_kv_cache_usage_perc"] == 0
+        and m["brine_num_requests_running"] == 0
+        and m["brine_num_requests_waiting"] == 0
     )

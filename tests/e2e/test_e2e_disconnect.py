@@ -2,38 +2,15 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
-from e2e_server import BrineServer
-from prometheus_client.parser import text_string_to_metric_families
+from e2e_server import BrineServer, wait_for_metrics
 
 pytestmark = pytest.mark.slow
 
 
-def _scrape(server: BrineServer) -> dict[str, float]:
-    r = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10)
-    assert r.status_code == 200
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            key = s.name + ("/" + s.labels["finished_reason"] if "finished_reason" in s.labels else "")
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-def _wait_for(server: BrineServer, pred, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _scrape(server)
-        if pred(m) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
-
-
 def test_disconnect_mid_stream_frees_blocks(brine_server: BrineServer) -> None:
-    idle = _wait_for(brine_server, lambda m: m["brine_num_requests_running"] == 0)
+    idle = wait_for_metrics(brine_server, lambda m: m["brine_num_requests_running"] == 0)
     assert idle["brine_kv_cache_usage_perc"] == 0.0, "another request still holds blocks"
     aborted_before = idle["brine_request_success_total/abort"]
     body = {
@@ -53,10 +30,10 @@ def test_disconnect_mid_stream_frees_blocks(brine_server: BrineServer) -> None:
             while events < 4:
                 if next(lines).startswith("data: "):
                     events += 1
-            during = _wait_for(brine_server, lambda m: m["brine_kv_cache_usage_perc"] > 0)
+            during = wait_for_metrics(brine_server, lambda m: m["brine_kv_cache_usage_perc"] > 0)
             assert during["brine_num_requests_running"] == 1 and during["brine_kv_cache_usage_perc"] > 0
         # Leaving the block closes the connection mid-stream.
-    after = _wait_for(
+    after = wait_for_metrics(
         brine_server, lambda m: m["brine_kv_cache_usage_perc"] == 0 and m["brine_num_requests_running"] == 0
     )
     assert after["brine_kv_cache_usage_perc"] == 0.0, brine_server.log_tail()
