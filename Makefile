@@ -42,8 +42,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+LLAMACPP_VENV := benchmarks/.venv-llamacpp
+# The baseline server, in its own venv: llama-cpp-python builds llama.cpp from source (minutes, once).
+$(LLAMACPP_VENV)/bin/python:
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install --quiet 'llama-cpp-python[server]' \
+		|| { rm -rf $(LLAMACPP_VENV); echo "llama-cpp-python did not build: compare.py will skip it"; }
+
 bench: $(STAMP)
-	$(BIN)/python benchmarks/compare.py
+	$(MAKE) $(LLAMACPP_VENV)/bin/python
+	$(BIN)/python -m benchmarks.compare
 
 gpu-check: $(STAMP)
 	bash benchmarks/gpu_check.sh
