@@ -109,7 +109,7 @@ class AsyncEngine:
         )
         logger.info(
             "engine ready: model %s (%s), %d KV blocks of %d tokens, prefix caching %s",
-            files.name,
+            config.served_model_name or files.name,
             files.source,
             runner.num_blocks,
             runner.block_size,

@@ -13,13 +13,8 @@ logger = logging.getLogger("brine.serve")
 
 
 def _kv_summary(engine: Any) -> str:
-    """How many tokens the KV cache holds. AsyncEngine exposes no public block count, so read the core's
-    cache manager when it is there and say so when it is not."""
-    kv = getattr(getattr(engine, "_core", None), "kv", None)
-    num_blocks, block_size = getattr(kv, "num_blocks", None), getattr(kv, "block_size", None)
-    if not isinstance(num_blocks, int) or not isinstance(block_size, int):
-        return "KV cache size unknown"
-    return f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens"
+    tokens = engine.num_blocks * engine.block_size
+    return f"KV cache: {engine.num_blocks} blocks x {engine.block_size} tokens = {tokens} tokens"
 
 
 def _prefix_caching_summary(requested: bool, enabled: bool) -> str:
