@@ -87,8 +87,7 @@ def test_serve_wires_engine_metrics_and_app(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     seen: dict[str, Any] = {}
-    fake = FakeEngine(model_name="served")
-    fake._core = type("Core", (), {"kv": type("KV", (), {"num_blocks": 10, "block_size": 16})()})()  # type: ignore[attr-defined]
+    fake = FakeEngine(model_name="served", num_blocks=10, block_size=16)
 
     def resolve(name: str | None) -> model_files.ModelFiles:
         seen["resolved"] = name
@@ -121,8 +120,7 @@ def test_serve_wires_engine_metrics_and_app(
 def test_serve_logs_what_it_loaded(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    fake = FakeEngine(model_name="served")
-    fake._core = type("Core", (), {"kv": type("KV", (), {"num_blocks": 10, "block_size": 16})()})()  # type: ignore[attr-defined]
+    fake = FakeEngine(model_name="served", num_blocks=10, block_size=16)
     monkeypatch.setattr(model_files, "resolve_model", lambda n: model_files.ModelFiles("x", tmp_path, "src"))
 
     def from_config(config: EngineConfig) -> FakeEngine:
