@@ -27,7 +27,7 @@ fi
 
 status=0
 echo "== CUDA tests" | tee "$out/cuda_tests.txt"
-timeout 330 "$py" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests/engine 2>&1 | tail -40 | tee -a "$out/cuda_tests.txt"
+timeout 330 "$py" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests/engine tests/kv_cache 2>&1 | tail -40 | tee -a "$out/cuda_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 model=$("$py" - <<'EOF'
