@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.report import charts, markdown, summarize
+from benchmarks.report import charts, markdown, ratios, summarize
 from benchmarks.serve_bench import WorkloadResult, run_workload, to_json
 from benchmarks.workloads import build
 
@@ -117,12 +117,16 @@ def llamacpp_spec(threads: int) -> ServerSpec | str:
     if probe.returncode != 0:
         return f"llama-cpp skipped: llama_cpp.server does not import ({probe.stderr.strip()[-200:]})"
     port = free_port()
+    # --interrupt_requests false: by default its server ends a streaming response early (with [DONE] and no
+    # finish_reason) as soon as another request waits, so at concurrency > 1 every request but the last would
+    # stop after a token or two. Queued, each request runs to its end, like on Brine.
     cmd = [str(LLAMACPP_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", "4096", "--n_threads", str(threads), "--n_batch", "512",
-           "--model_alias", "smollm2-135m-instruct"]  # fmt: skip
+           "--model_alias", "smollm2-135m-instruct", "--interrupt_requests", "false"]  # fmt: skip
     return ServerSpec(f"llama-cpp-python {probe.stdout.strip()}", f"http://127.0.0.1:{port}", cmd,
                       ["llama-cpp-python runs the Q4_1 GGUF as is; it ignores cache_salt and reuses only the "
-                       "previous request's prefix (one slot)"])  # fmt: skip
+                       "previous request's prefix (one slot); it runs one request at a time "
+                       "(--interrupt_requests false, so that none is cut short)"])  # fmt: skip
 
 
 def wait_ready(spec: ServerSpec, proc: subprocess.Popen | None, log: Path | None, timeout: float) -> None:
@@ -252,6 +256,7 @@ def main(argv: list[str] | None = None) -> Path:
     payload = {
         "command": command,
         "notes": notes,
+        "ratios": ratios(summaries),
         "summaries": summaries,
         "results": [to_json(r) for r in results],
     }

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from benchmarks.serve_bench import WorkloadResult
 
+# compare.py names a server's caching-off twin "<name>-no-cache": the "off" side of its on / off ratios.
+NO_CACHE_SUFFIX = "-no-cache"
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
@@ -71,6 +74,78 @@ def summarize(r: WorkloadResult) -> dict:
     }
 
 
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(summaries: list[dict]) -> list[dict]:
+    """Per server, the headline numbers issue 8 asks for (None where the run did not measure them):
+    doc-qa warm / cold mean TTFT, tenants later / first round mean TTFT, prefix-repetition and unique
+    request throughput and its on / off ratio against the server's `-no-cache` twin, and in isolation
+    tenant B's cached tokens and B's TTFT over A's cold TTFT (the same prompt, computed from scratch)."""
+    by = {(s["server"], s["workload"]): s for s in summaries}
+
+    def ttft(server: str, workload: str, tag: str) -> float | None:
+        s = by.get((server, workload))
+        return s["ttft_mean_by_tag"].get(tag) if s else None
+
+    def req_s(server: str, workload: str) -> float | None:
+        s = by.get((server, workload))
+        return s["request_throughput"] if s else None
+
+    rows = []
+    for srv in dict.fromkeys(s["server"] for s in summaries):
+        off = srv + NO_CACHE_SUFFIX
+        iso = by.get((srv, "isolation"))
+        rows.append({
+            "server": srv,
+            "doc_qa_warm_over_cold_ttft": _div(ttft(srv, "doc-qa", "warm"), ttft(srv, "doc-qa", "cold")),
+            "tenants_later_over_first_ttft": _div(ttft(srv, "tenants", "warm"), ttft(srv, "tenants", "cold")),
+            "prefix_repetition_req_s": req_s(srv, "prefix-repetition"),
+            "prefix_repetition_on_over_off": _div(req_s(srv, "prefix-repetition"),
+                                                  req_s(off, "prefix-repetition")),
+            "unique_req_s": req_s(srv, "unique"),
+            "unique_on_over_off": _div(req_s(srv, "unique"), req_s(off, "unique")),
+            "isolation_b_cached_tokens": iso["cached_tokens_by_tag"].get("other-tenant") if iso else None,
+            "isolation_b_over_a_cold_ttft": _div(ttft(srv, "isolation", "other-tenant"),
+                                                 ttft(srv, "isolation", "cold")),
+        })  # fmt: skip
+    return rows
+
+
+def ratio_table(summaries: list[dict]) -> list[str]:
+    """The headline ratios as markdown lines ([] when none of their workloads ran)."""
+    rows = ratios(summaries)
+    if not any(v is not None for r in rows for k, v in r.items() if k != "server"):
+        return []
+
+    def throughput(v: float | None, on_off: float | None) -> str:
+        return fmt(v, " req/s") + ("" if on_off is None else f", {fmt(on_off, 'x')}")
+
+    lines = [
+        "TTFT ratios are the mean TTFT of the later requests over the first ones (lower: the cache pays).",
+        f"On / off is a server's request throughput over its `{NO_CACHE_SUFFIX}` twin's in this run (a server",
+        "without one shows its throughput only). Isolation: B sends A's first prompt under another",
+        "`cache_salt`; B's cached tokens must be 0 and B's TTFT close to A's cold one.",
+        "",
+        "| server | doc-qa warm / cold TTFT | tenants later / first round TTFT | prefix-repetition, on / off "
+        "| unique, on / off | isolation: B cached tokens | isolation: B / A cold TTFT |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            r["server"],
+            fmt(r["doc_qa_warm_over_cold_ttft"]),
+            fmt(r["tenants_later_over_first_ttft"]),
+            throughput(r["prefix_repetition_req_s"], r["prefix_repetition_on_over_off"]),
+            throughput(r["unique_req_s"], r["unique_on_over_off"]),
+            fmt(r["isolation_b_cached_tokens"]),
+            fmt(r["isolation_b_over_a_cold_ttft"], "x"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def fmt(v: float | int | None, unit: str = "", digits: int = 3) -> str:
     if v is None:
         return "n/a"
@@ -90,7 +165,7 @@ def cached_cell(s: dict) -> str:
 
 
 def markdown(summaries: list[dict], header: str) -> str:
-    lines = [header, ""]
+    lines = [header, "", *ratio_table(summaries)]
     lines += ["| workload | server | ok/sent | req/s | out tok/s | TTFT p50 | TTFT p90 | TTFT p99 | "
               "cold TTFT | warm TTFT | cached tokens | hit rate (/metrics) |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

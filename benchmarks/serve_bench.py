@@ -1,7 +1,8 @@
 """Client side of the benchmarks: send a workload to any OpenAI-compatible server and time every token.
 
 Per request: time to first token (TTFT), inter-token latencies, end-to-end latency, prompt / cached /
-completion tokens (from the final usage chunk where the server sends one). Around the run it reads the
+completion tokens (from the final usage chunk where the server sends one). A request counts as ok only when
+its stream ends with a finish_reason and carries no error event. Around the run it reads the
 server's `/metrics` and, where the `brine_prefix_cache_*` counters exist, reports the run's prefix-cache hit
 rate as delta hits / delta queries. Runs are bounded: a workload's request count, and a time limit after which
 no new request starts.
@@ -105,6 +106,7 @@ async def send(
     res.start = start - t0
     last: float | None = None
     chunks = 0
+    finish_reason: str | None = None
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -118,6 +120,10 @@ async def send(
                     break
                 event = json.loads(data)
                 now = time.perf_counter()
+                if event.get("error"):  # a failure after the 200 status line: the request did not succeed
+                    err = event["error"]
+                    res.error = f"error event: {err.get('message', err) if isinstance(err, dict) else err}"
+                    return res
                 for choice in event.get("choices") or []:
                     text = choice.get("text") if api != "chat" else (choice.get("delta") or {}).get("content")
                     if text:
@@ -127,6 +133,7 @@ async def send(
                         else:
                             res.itls.append(now - last)
                         last = now
+                    finish_reason = choice.get("finish_reason") or finish_reason
                 usage = event.get("usage")
                 if usage:
                     res.prompt_tokens = usage.get("prompt_tokens")
@@ -136,6 +143,11 @@ async def send(
         res.e2e = time.perf_counter() - start
         if res.completion_tokens is None:  # no usage chunk: one chunk per token is the usual streaming shape
             res.completion_tokens = chunks
+        # A complete stream says why it ended. Without a finish_reason the server cut it short (llama-cpp-python
+        # does so by default when another request waits): counting it as done would inflate throughput.
+        if finish_reason is None:
+            res.error = f"stream ended without a finish_reason after {chunks} chunks"
+            return res
         res.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"

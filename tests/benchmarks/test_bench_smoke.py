@@ -32,7 +32,16 @@ from benchmarks.workloads import WORKLOADS, build  # noqa: E402
 BLOCK = 4
 
 
-def fake_app(with_metrics: bool = True, with_usage: bool = True) -> FastAPI:
+def fake_app(
+    with_metrics: bool = True,
+    with_usage: bool = True,
+    fail_after: int | None = None,
+    cut_after: int | None = None,
+) -> FastAPI:
+    """`fail_after`: stream that many tokens, then an error event and [DONE] (how an OpenAI-compatible server,
+    Brine included, reports a failure once the 200 status line is sent). `cut_after`: stream that many tokens,
+    then [DONE] with no finish_reason (how llama-cpp-python's server cuts a stream short when another request
+    waits, its default `interrupt_requests`)."""
     app = FastAPI()
     registry = CollectorRegistry()
     queries = Counter("brine_prefix_cache_queries", "", ["model_name"], registry=registry).labels("fake")
@@ -71,10 +80,18 @@ def fake_app(with_metrics: bool = True, with_usage: bool = True) -> FastAPI:
         app.state.max_in_flight = max(app.state.max_in_flight, app.state.in_flight)
         try:
             for i in range(body["max_tokens"]):
+                if i == fail_after:
+                    yield f"data: {json.dumps({'error': {'message': 'boom', 'type': 'server_error'}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                if i == cut_after:
+                    yield "data: [DONE]\n\n"
+                    return
                 await asyncio.sleep(0.02)
                 choice = (
                     {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
                 )
+                choice["finish_reason"] = "length" if i == body["max_tokens"] - 1 else None
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
         finally:
             app.state.in_flight -= 1
@@ -178,6 +195,24 @@ def test_chat_api_and_server_without_metrics_or_usage() -> None:
         assert s["cached_tokens"] is None and s["prompt_tokens"] is None  # n/a, not 0
 
 
+def test_error_event_mid_stream_is_a_failed_request() -> None:
+    for url in serve(fake_app(fail_after=2)):
+        workload, result = run(url, "isolation")
+        assert len(result.requests) == len(workload.requests)
+        assert not any(r.ok for r in result.requests)
+        assert all(r.error is not None and "boom" in r.error for r in result.requests)
+        s = summarize(result)
+        assert s["ok"] == 0 and s["request_throughput"] == 0 and s["ttft_p50"] is None
+
+
+def test_stream_cut_short_without_finish_reason_is_a_failed_request() -> None:
+    for url in serve(fake_app(cut_after=1)):
+        _, result = run(url, "unique")
+        assert not any(r.ok for r in result.requests)
+        assert all("finish_reason" in (r.error or "") for r in result.requests)
+        assert summarize(result)["ok"] == 0
+
+
 def test_compare_writes_report_json_and_charts(fake, tmp_path: Path) -> None:  # noqa: ANN001
     url, _ = fake
     md_path = compare.main(["--external", f"fake={url}", "--preset", "tiny", "--out-dir", str(tmp_path),
@@ -188,6 +223,11 @@ def test_compare_writes_report_json_and_charts(fake, tmp_path: Path) -> None:  #
     data = json.loads((tmp_path / "smoke.json").read_text())
     iso = next(s for s in data["summaries"] if s["workload"] == "isolation")
     assert iso["cached_tokens_by_tag"]["other-tenant"] == 0
+    (row,) = data["ratios"]  # the headline ratios, in the JSON and at the top of the report
+    assert row["server"] == "fake" and row["isolation_b_cached_tokens"] == 0
+    assert 0 < row["doc_qa_warm_over_cold_ttft"] and 0 < row["tenants_later_over_first_ttft"]
+    assert row["unique_on_over_off"] is None  # no "fake-no-cache" twin ran
+    assert "| server | doc-qa warm / cold TTFT |" in md and "\n| fake | " in md
     for chart in ("ttft_cold_warm", "ttft_vs_prefix", "throughput"):
         png = tmp_path / f"smoke_{chart}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -199,3 +239,17 @@ def test_percentile() -> None:
     assert percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
+
+
+def test_llamacpp_requests_queue_instead_of_cutting_each_other_short(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
+    # The probe of the baseline's venv is faked: only the command compare.py would start is checked.
+    gguf = tmp_path / compare.GGUF_FILE
+    gguf.write_bytes(b"")
+    monkeypatch.setattr(compare, "gguf_path", lambda: gguf)
+    monkeypatch.setattr(compare, "LLAMACPP_PYTHON", Path(sys.executable))
+    monkeypatch.setattr(compare.subprocess, "run",
+                        lambda *a, **k: compare.subprocess.CompletedProcess(a, 0, "0.3.0\n", ""))  # fmt: skip
+    spec = compare.llamacpp_spec(threads=2)
+    assert isinstance(spec, compare.ServerSpec) and spec.cmd is not None
+    i = spec.cmd.index("--interrupt_requests")
+    assert spec.cmd[i + 1] == "false"  # its default (true) ends a stream early whenever another request waits
