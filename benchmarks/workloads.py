@@ -54,6 +54,13 @@ def document(rng: random.Random, tokens: int, header: str) -> str:
     return f"Document {rng.getrandbits(32):08x} ({header}).\n" + " ".join(sentences)
 
 
+def question(i: int) -> str:
+    """The i-th question: distinct for every i (past the fixed list, numbered), so that "different questions"
+    never become an identical prompt, which would be a full-prompt hit rather than a shared-prefix one."""
+    q = QUESTIONS[i % len(QUESTIONS)]
+    return q if i < len(QUESTIONS) else f"{q} (variant {i // len(QUESTIONS)})"
+
+
 def ask(doc: str, question: str) -> str:
     return f"{doc}\n\nAnswer briefly.\nQuestion: {question}\nAnswer:"
 
@@ -63,9 +70,7 @@ def doc_qa(seed: int, doc_tokens: int = 2000, questions: int = 6, max_tokens: in
     rng = random.Random(seed)
     doc = document(rng, doc_tokens, f"doc-qa {seed}")
     reqs = [
-        BenchRequest(
-            ask(doc, QUESTIONS[i % len(QUESTIONS)]), "cold" if i == 0 else "warm", "doc", None, max_tokens
-        )
+        BenchRequest(ask(doc, question(i)), "cold" if i == 0 else "warm", "doc", None, max_tokens)
         for i in range(questions)
     ]
     return Workload("doc-qa", reqs, 1, {"doc_tokens": doc_tokens, "questions": questions})
@@ -79,7 +84,7 @@ def tenants(
     docs = [document(rng, doc_tokens, f"tenants {seed} tenant {t}") for t in range(num_tenants)]
     reqs = [
         BenchRequest(
-            ask(docs[t], QUESTIONS[(r + t) % len(QUESTIONS)]),
+            ask(docs[t], question(r + t)),
             "cold" if r == 0 else "warm",
             f"tenant-{t}",
             f"tenant-{seed}-{t}",
