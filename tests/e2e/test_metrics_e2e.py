@@ -118,3 +118,17 @@ def test_reset_prefix_cache_does_not_reset_counters(client: openai.OpenAI, brine
     for name in ("brine_prefix_cache_queries_total", "brine_prefix_cache_hits_total"):
         assert total(after, name) == total(before, name)
     assert 0.0 <= total(after, "brine_kv_cache_usage_perc") <= 1.0
+
+
+def test_live_exposition_is_the_documented_exporter(brine_server: BrineServer) -> None:
+    """The server exports exactly the exporter's metric families (no extra collector, none missing), so the
+    README check against the exporter (tests/metrics/test_readme_metrics.py) covers what a scraper sees."""
+    from metrics.prometheus import PrometheusStatLogger
+
+    r = httpx.get(f"{brine_server.base_url}/metrics", headers=brine_server.headers, timeout=10)
+    assert r.status_code == 200, r.text
+    live = {(f.name, f.type) for f in text_string_to_metric_families(r.text)}
+    body, _ = PrometheusStatLogger("any").render()
+    assert live == {(f.name, f.type) for f in text_string_to_metric_families(body.decode())}
+    labels = {k for f in text_string_to_metric_families(r.text) for s in f.samples for k in s.labels}
+    assert labels <= {"model_name", "finished_reason", "le"}

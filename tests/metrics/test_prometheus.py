@@ -164,3 +164,22 @@ def test_metrics_package_imports_neither_torch_nor_engine() -> None:
     code = "import sys, metrics; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', 'server', 'kv_cache')]; print(bad); sys.exit(1 if bad else 0)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["brine_time_to_first_token_seconds", "brine_e2e_request_latency_seconds",
+             "brine_request_queue_time_seconds"],
+)  # fmt: skip
+def test_cpu_scale_latencies_land_in_distinct_finite_buckets(name: str) -> None:
+    # A 2-core CPU prefills a few thousand tokens in seconds to tens of seconds: those must not all fall into
+    # +Inf (or one bucket), or histogram_quantile says nothing.
+    seconds = [1.5, 3.0, 12.0, 45.0, 150.0]
+    log = PrometheusStatLogger(MODEL)
+    log.record(SchedulerStats(), IterationStats(ttfts=seconds, finished=[
+        finished(e2e_latency=s, queue_time=s) for s in seconds]))  # fmt: skip
+    buckets = sorted(
+        (float(dict(labels)["le"]), v) for (n, labels), v in samples(log).items() if n == f"{name}_bucket"
+    )
+    finite = [(le, v) for le, v in buckets if le != float("inf")]
+    assert finite[-1][1] == len(seconds)  # every observation is below the largest finite bound
+    assert len({v for _, v in finite if 0 < v}) == len(seconds)  # and each one in a bucket of its own
