@@ -51,6 +51,16 @@ def admit(
     return computed, new
 
 
+def release(mgr: KVCacheManager, *reqs: FakeRequest) -> None:
+    """End of a test: free every request still holding blocks, then check that no block leaked."""
+    for req in reqs:
+        mgr.free(req)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == mgr.num_blocks, "blocks leaked"
+    assert mgr.block_pool.ref_cnt == [0] * mgr.num_blocks
+    assert mgr.usage == 0.0
+
+
 def snapshot(mgr: KVCacheManager) -> tuple[object, ...]:
     """Everything observable about the manager's state, for 'nothing changed' assertions."""
     pool = mgr.block_pool

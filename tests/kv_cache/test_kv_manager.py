@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kv_fakes import FakeRequest, admit, make_req, snapshot
+from kv_fakes import FakeRequest, admit, make_req, release, snapshot
 
 from kv_cache import (
     AllBlocksCleared,
@@ -45,7 +45,7 @@ def test_miss_then_partial_hit() -> None:
     stats = mgr.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (1, 9, 4)
     assert mgr.make_prefix_cache_stats().requests == 0  # reset by the previous call
-    check(mgr)
+    release(mgr, a, b)
 
 
 def test_two_requests_share_a_prefix_then_free_in_lru_order() -> None:
@@ -76,7 +76,7 @@ def test_two_requests_share_a_prefix_then_free_in_lru_order() -> None:
     c = make_req(mgr, "c", [*range(8), 7])
     assert admit(mgr, c) == (ComputedBlocks([0, 1], 8), [4])
     assert mgr.block_pool.free_block_ids() == [5, 6, 7, 8, 9, 2, 3]
-    check(mgr)
+    release(mgr, c)
 
 
 def test_long_miss_evicts_cached_blocks_in_lru_order() -> None:
@@ -100,6 +100,7 @@ def test_long_miss_evicts_cached_blocks_in_lru_order() -> None:
     # a's first two blocks survived: its prefix still hits up to the first evicted block.
     c = make_req(mgr, "c", range(16))
     assert mgr.get_computed_blocks(c) == ComputedBlocks([0, 1], 8)
+    release(mgr, b)
 
 
 def test_revived_hit_blocks_count_against_the_free_supply() -> None:
@@ -128,7 +129,7 @@ def test_revived_hit_blocks_count_against_the_free_supply() -> None:
     assert mgr.get_block_ids("c") == [0, 1, 2]
     assert mgr.block_pool.block_hash[2] == c.block_hashes[2]  # b's old block 2 hash was dropped on reuse
     assert mgr.block_pool.get_cached_block(b.block_hashes[3]) is None
-    check(mgr)
+    release(mgr, c)
 
 
 def test_decode_fills_a_block_and_hashes_it() -> None:
@@ -159,6 +160,7 @@ def test_decode_fills_a_block_and_hashes_it() -> None:
     # The block of generated tokens is shared like any other.
     b = make_req(mgr, "b", [*range(8), 42])
     assert mgr.get_computed_blocks(b) == ComputedBlocks([0, 1], 8)
+    release(mgr, a)
 
 
 def test_hit_is_capped_on_a_block_aligned_prompt_and_a_hash_may_live_in_two_blocks() -> None:
@@ -184,7 +186,7 @@ def test_hit_is_capped_on_a_block_aligned_prompt_and_a_hash_may_live_in_two_bloc
     assert mgr.make_prefix_cache_stats().evictions == 1
     c = make_req(mgr, "c", [*range(8), 9])
     assert mgr.get_computed_blocks(c) == ComputedBlocks([0, 2], 8)
-    check(mgr)
+    release(mgr, e)
 
 
 def test_same_salt_hits_and_other_salts_miss_at_every_block() -> None:
@@ -203,6 +205,7 @@ def test_same_salt_hits_and_other_salts_miss_at_every_block() -> None:
             assert h != b.block_hashes[i]
             assert mgr.block_pool.get_cached_block(h) is None
     assert len({o.block_hashes[2] for o in others}) == 3
+    release(mgr, a)
 
 
 def test_caching_disabled_hashes_nothing_and_never_hits() -> None:
@@ -222,7 +225,7 @@ def test_caching_disabled_hashes_nothing_and_never_hits() -> None:
     mgr.free(a)
     mgr.free(b)
     assert mgr.block_pool.free_block_ids() == [2, 1, 0, 5, 4, 3]
-    check(mgr)
+    release(mgr)
 
 
 def test_allocation_failure_changes_nothing() -> None:
@@ -244,7 +247,7 @@ def test_allocation_failure_changes_nothing() -> None:
     assert mgr.allocate_slots(a, 8) == [2, 3]
     assert mgr.num_cached_blocks == 2
     assert mgr.num_free_blocks == 0
-    check(mgr)
+    release(mgr, a)
 
 
 def test_hit_blocks_only_for_a_request_holding_none() -> None:
@@ -261,6 +264,7 @@ def test_hit_blocks_only_for_a_request_holding_none() -> None:
     assert snapshot(mgr) == before
     with pytest.raises(ValueError):
         mgr.allocate_slots(a, -1)
+    release(mgr, a)
 
 
 def test_reset_refused_while_in_use() -> None:
@@ -278,7 +282,7 @@ def test_reset_refused_while_in_use() -> None:
     assert mgr.block_pool.free_block_ids() == queue
     assert mgr.take_events() == [AllBlocksCleared()]
     assert mgr.get_computed_blocks(make_req(mgr, "b", range(9))) == ComputedBlocks([], 0)
-    check(mgr)
+    release(mgr)
 
 
 def test_events_describe_the_chain() -> None:
@@ -300,6 +304,7 @@ def test_events_describe_the_chain() -> None:
         BlockStored(b.block_hashes, None, list(range(20, 32)), 4),
     ]
     assert KVCacheManager(3, 4).take_events() == []  # events off
+    release(mgr, b)
 
 
 def test_stats_split_preempted_requests_and_skip_reading() -> None:
@@ -321,7 +326,7 @@ def test_stats_split_preempted_requests_and_skip_reading() -> None:
     assert admit(mgr, p) == (ComputedBlocks([], 0), [4, 5, 6])
     s = mgr.make_prefix_cache_stats()
     assert s.requests == s.queries == s.preempted_requests == 0
-    check(mgr)
+    release(mgr, a, p)
 
 
 def test_zero_new_tokens_and_bad_arguments() -> None:
@@ -329,8 +334,7 @@ def test_zero_new_tokens_and_bad_arguments() -> None:
     r = FakeRequest("r", [1, 2, 3], mgr.make_hasher())
     assert mgr.allocate_slots(r, 0) == []
     assert mgr.get_block_ids("r") == []
-    check(mgr)
-    mgr.free(r)
+    release(mgr, r)
     with pytest.raises(ValueError):
         KVCacheManager(4, 4, hash_algo="md5")
     with pytest.raises(ValueError):
@@ -355,4 +359,4 @@ def test_stats_count_an_admission_once_however_many_lookups_failed_to_allocate()
     assert computed.block_ids == [0, 1] and new is not None
     s = mgr.make_prefix_cache_stats()
     assert (s.requests, s.queries, s.hits) == (1, 13, 8)
-    check(mgr)
+    release(mgr, b)
