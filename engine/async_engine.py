@@ -3,7 +3,9 @@
 Threads: the step thread owns the `EngineCore` (scheduler, KV cache manager, runner); nothing else touches
 them except under `_core_lock`, which the step thread holds for a whole step. Callers reach the thread through
 a `queue.Queue` of commands (add / abort / stop); the thread hands outputs back with
-`loop.call_soon_threadsafe` into one `asyncio.Queue` per request.
+`loop.call_soon_threadsafe` into one `asyncio.Queue` per request. The step thread routes outputs through its
+own map of the streams it added, not the callers' registry by id: a caller may close its stream and reuse the
+id at once, while the old request's last outputs are still on their way.
 
 Failure rules: a request that fails inside the engine gets a final output with `error` set; an exception from
 the runner kills the engine: `is_healthy()` turns False and every pending and later `generate()` raises
@@ -69,8 +71,9 @@ class AsyncEngine:
         self.num_blocks = core.kv.num_blocks  # KV cache size, for the startup log
         self.block_size = core.kv.block_size
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # callers' registry: ids in use, streams to fail on death
         self._streams_lock = threading.Lock()
+        self._live: dict[str, _Stream] = {}  # the step thread's own: requests in the core -> their stream
         self._core_lock = threading.Lock()
         self._dead: str | None = None  # why the engine stopped
         self._thread = threading.Thread(target=self._run, name="brine-engine", daemon=True)
@@ -138,7 +141,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
+        self._inbox.put(("add", request_id, stream, list(prompt_token_ids), params, cache_salt))
         finished = False
         try:
             while not finished:
@@ -190,9 +193,9 @@ class AsyncEngine:
                 if any(cmd[0] is _STOP for cmd in commands):
                     return
                 with self._core_lock:
-                    outputs = [out for cmd in commands for out in self._apply(cmd)]
-                    if self._core.has_work():
-                        outputs += self._core.step()
+                    for cmd in commands:  # in order: an abort's last output before a new request by its id
+                        self._dispatch(self._apply(cmd))
+                    outputs = self._core.step() if self._core.has_work() else []
                 self._dispatch(outputs)
         except BaseException as exc:  # fatal: the runner (or the engine itself) broke
             logger.exception("engine step failed; the engine is dead")
@@ -200,23 +203,23 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
         if cmd[0] == "add":
-            _, request_id, prompt, params, cache_salt = cmd
+            _, request_id, stream, prompt, params, cache_salt = cmd
             with self._streams_lock:
-                stream = self._streams.get(request_id)
-            if stream is None:  # the caller went away before the engine saw it
-                return []
+                if self._streams.get(request_id) is not stream:  # the caller went away before we saw it
+                    return []
             try:
-                return self._core.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                outputs = self._core.add_request(request_id, prompt, params, cache_salt=cache_salt)
             except Exception as exc:  # a bug in adding one request must not kill the engine
                 logger.exception("could not add request %s", request_id)
                 _push(stream, exc)
                 return []
+            self._live[request_id] = stream
+            return outputs
         return self._core.abort_request(cmd[1])
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        with self._streams_lock:
-            targets = [(self._streams.get(out.request_id), out) for out in outputs]
-        for stream, out in targets:
+        for out in outputs:
+            stream = self._live.pop(out.request_id, None) if out.finished else self._live.get(out.request_id)
             if stream is not None:
                 _push(stream, out)
 
