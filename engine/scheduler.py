@@ -44,6 +44,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
+        # Either at 0 would schedule nothing while requests wait: the step loop would spin and clients hang.
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
