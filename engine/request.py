@@ -71,8 +71,6 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id / stop string that finished it
     error: str | None = None  # set with FINISHED_ERROR
 
-    # Logprobs of sampled tokens not yet handed to the output processor (drained each step).
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Accumulated prompt logprobs (entry 0 is None: the first token has no context); None when not asked for.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
