@@ -164,9 +164,10 @@ class AsyncEngine:
         return self._dead is None
 
     def reset_prefix_cache(self) -> bool:
-        """False while requests hold blocks. Waits for the current step to end."""
+        """False while requests hold blocks. Waits for the current step to end; on success the stat loggers
+        see the emptied cache at once (the core records it under the lock, never during a step)."""
         with self._core_lock:
-            return self._core.kv.reset_prefix_cache()
+            return self._core.reset_prefix_cache()
 
     def num_used_blocks(self) -> int:
         with self._core_lock:

@@ -123,6 +123,15 @@ class EngineCore:
         """Aborts every sequence of a request now (its blocks are freed). Unknown ids: nothing."""
         return self.outputs.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (nothing changes) while a request holds blocks. A reset is
+        recorded to the stat loggers at once: the engine may stay idle for long (no step, no record), and
+        `/metrics` would show the old cache until the next request."""
+        if not self.kv.reset_prefix_cache():
+            return False
+        self._record_stats(IterationStats())
+        return True
+
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_ids()
 

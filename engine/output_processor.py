@@ -189,26 +189,34 @@ class OutputProcessor:
 
 
 def _finished_stats(group: _Group) -> FinishedRequestStats:
-    """One record per request (all n sequences): the first token and the last finish bound its timings."""
+    """One record per request (all n sequences). Token timings are per sequence, as the TTFT histogram is fed
+    (one observation per sequence, like vLLM's n child requests)."""
     now = time.monotonic()
     children = group.children
     first = children[0]
     first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
     scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
-    num_gen = sum(c.num_output_tokens for c in children)
-    ttft = min(first_tokens) - first.arrival_time if first_tokens else 0.0
-    decode_time = now - min(first_tokens) if first_tokens else 0.0
     reason = first.status.finish_reason
     return FinishedRequestStats(
         finish_reason=reason.value if reason is not None else "abort",
         num_prompt_tokens=first.num_prompt_tokens,
-        num_generation_tokens=num_gen,
+        num_generation_tokens=sum(c.num_output_tokens for c in children),
         num_cached_tokens=max(0, first.num_cached_tokens),
         e2e_latency=now - first.arrival_time,
-        queue_time=(min(scheduled) - first.arrival_time) if scheduled else 0.0,
-        ttft=ttft,
-        mean_time_per_output_token=decode_time / (num_gen - 1) if num_gen > 1 else 0.0,
+        # Never scheduled (aborted while waiting): no queue time, as vLLM records none for a request that did
+        # not reach scheduling; 0.0 would land in the histogram as an instant start.
+        queue_time=min(scheduled) - first.arrival_time if scheduled else None,
+        ttft=min(first_tokens) - first.arrival_time if first_tokens else None,
+        mean_times_per_output_token=[t for t in map(_mean_time_per_output_token, children) if t is not None],
     )
+
+
+def _mean_time_per_output_token(seq: Request) -> float | None:
+    """First to last token of one sequence over its tokens after the first (None below 2 tokens). Ends at the
+    last token, not at the finish: a sequence aborted long after its last token did not decode slower."""
+    if seq.num_output_tokens < 2 or seq.first_token_time is None or seq.last_token_time is None:
+        return None
+    return (seq.last_token_time - seq.first_token_time) / (seq.num_output_tokens - 1)
 
 
 def error_output(request_id: str, prompt: list[int], n: int, error: str) -> RequestOutput:

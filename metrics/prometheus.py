@@ -114,20 +114,26 @@ class PrometheusStatLogger:
         )
 
         # Histograms.
-        self.ttft = histogram("brine_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.ttft = histogram(
+            "brine_time_to_first_token_seconds",
+            "Arrival to first token, per sequence (a request with n > 1 counts n times).",
+            TTFT_BUCKETS,
+        )
         self.inter_token_latency = histogram(
             "brine_inter_token_latency_seconds", "Time between consecutive output tokens.", TPOT_BUCKETS
         )
         self.time_per_output_token = histogram(
             "brine_time_per_output_token_seconds",
-            "Per finished request: mean time per output token after the first.",
+            "Per finished sequence with more than one token: mean time per output token after the first.",
             TPOT_BUCKETS,
         )
         self.e2e_latency = histogram(
             "brine_e2e_request_latency_seconds", "Arrival to finish, per request.", LATENCY_BUCKETS
         )
         self.queue_time = histogram(
-            "brine_request_queue_time_seconds", "Arrival to first scheduled, per request.", LATENCY_BUCKETS
+            "brine_request_queue_time_seconds",
+            "Arrival to first scheduled, per finished request that was scheduled.",
+            LATENCY_BUCKETS,
         )
         self.prompt_length = histogram(
             "brine_request_prompt_tokens", "Prompt length per finished request.", token_buckets()
@@ -166,11 +172,12 @@ class PrometheusStatLogger:
                     )
                 child.inc()
                 self.e2e_latency.observe(f.e2e_latency)
-                self.queue_time.observe(f.queue_time)
+                if f.queue_time is not None:  # None: never scheduled, so it has no queue time to tell
+                    self.queue_time.observe(f.queue_time)
                 self.prompt_length.observe(f.num_prompt_tokens)
                 self.generation_length.observe(f.num_generation_tokens)
-                if f.num_generation_tokens > 1:  # one token has no inter-token time to average
-                    self.time_per_output_token.observe(f.mean_time_per_output_token)
+                for t in f.mean_times_per_output_token:  # one per sequence with > 1 token
+                    self.time_per_output_token.observe(t)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) for `GET /metrics`, in the Prometheus text format."""

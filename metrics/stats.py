@@ -1,7 +1,7 @@
 """What happened in one engine step, as plain records.
 
-The engine fills a `SchedulerStats` and an `IterationStats` once per step and hands both to every stat logger
-(`StatLogger.record`). These records are the only thing that crosses from the engine to `metrics/`: the
+The engine fills a `SchedulerStats` and an `IterationStats` once per step (and once after a prefix-cache
+reset, with an empty `IterationStats`) and hands both to every stat logger (`StatLogger.record`). These records are the only thing that crosses from the engine to `metrics/`: the
 loggers never look at engine objects, so this package imports the stdlib and prometheus-client only.
 
 Units: token counts are tokens, times are seconds (floats from a monotonic clock), KV usage is a fraction 0..1.
@@ -15,7 +15,7 @@ from typing import Protocol
 
 @dataclass(slots=True)
 class SchedulerStats:
-    """The scheduler's state after one step, plus what its cache lookups found during that step."""
+    """The scheduler's state after one step (or a reset), plus what its cache lookups found since the last."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -45,9 +45,14 @@ class FinishedRequestStats:
     num_generation_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first scheduling
     e2e_latency: float  # arrival -> finish
-    queue_time: float  # arrival -> first scheduled
-    ttft: float  # arrival -> first token
-    mean_time_per_output_token: float  # (finish - first token) / (generation tokens - 1); 0 for one token
+    # Arrival -> first scheduled (its earliest sequence). None if it never was (aborted while waiting): as in
+    # vLLM, no queue time is recorded then; 0.0 would tell the histogram it started at once.
+    queue_time: float | None
+    ttft: float | None  # arrival -> its earliest sequence's first token; None if no token came
+    # One per sequence that generated > 1 token: (its last token - its first token) / (its tokens - 1). Per
+    # sequence, like the TTFT histogram (`IterationStats.ttfts`) and vLLM's n child requests: n sequences
+    # decode side by side, so pooling their tokens over one stretch of time would be n times too small.
+    mean_times_per_output_token: list[float]
 
 
 @dataclass(slots=True)
@@ -56,12 +61,15 @@ class IterationStats:
 
     num_prompt_tokens: int = 0  # prompt tokens computed this step (cache hits are not computed, not counted)
     num_generation_tokens: int = 0  # tokens sampled this step
-    ttfts: list[float] = field(default_factory=list)  # one per request that got its first token this step
+    # One per sequence that got its first token this step: a request with n > 1 gives n (as vLLM's n child
+    # requests do), so the histogram is the latency each generated choice saw.
+    ttfts: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)  # one per later token this step
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
 class StatLogger(Protocol):
-    """Called by the engine once per step, from its step thread."""
+    """Called by the engine after every step, and after a prefix-cache reset (the engine may then stay idle,
+    with no step to refresh the gauges). Never two calls at once: the engine makes them under its core lock."""
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...

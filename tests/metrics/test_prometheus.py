@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,8 +31,9 @@ def value(logger: PrometheusStatLogger, name: str, **labels: str) -> float:
     return samples(logger)[(name, tuple(sorted({"model_name": MODEL, **labels}.items())))]
 
 
-def finished(reason: str = "stop", prompt: int = 10, gen: int = 4, **kw: float) -> FinishedRequestStats:
-    d = dict(num_cached_tokens=0, e2e_latency=1.0, queue_time=0.1, ttft=0.3, mean_time_per_output_token=0.05)
+def finished(reason: str = "stop", prompt: int = 10, gen: int = 4, **kw: Any) -> FinishedRequestStats:
+    d: dict[str, Any] = dict(num_cached_tokens=0, e2e_latency=1.0, queue_time=0.1, ttft=0.3)
+    d["mean_times_per_output_token"] = []
     d.update(kw)
     return FinishedRequestStats(reason, prompt, gen, **d)
 
@@ -89,7 +91,7 @@ def test_tokens_requests_and_histograms() -> None:
             num_generation_tokens=2,
             inter_token_latencies=[0.02, 0.04],
             finished=[finished("stop", prompt=12, gen=3, e2e_latency=2.0, queue_time=0.25,
-                               mean_time_per_output_token=0.03),
+                               mean_times_per_output_token=[0.03]),
                       finished("length", prompt=8, gen=1, e2e_latency=0.5, queue_time=0.75)],
         ),
     )  # fmt: skip
@@ -112,6 +114,20 @@ def test_tokens_requests_and_histograms() -> None:
     # A one-token request has no time between tokens: only the 3-token request is observed.
     assert value(log, "brine_time_per_output_token_seconds_count") == 1
     assert value(log, "brine_time_per_output_token_seconds_sum") == pytest.approx(0.03)
+
+
+def test_per_sequence_token_times_and_a_request_never_scheduled() -> None:
+    log = PrometheusStatLogger(MODEL)
+    # n=2, both sequences decoded; then a request aborted while waiting: no queue time, no token times.
+    log.record(SchedulerStats(), IterationStats(finished=[
+        finished("length", gen=6, queue_time=0.5, mean_times_per_output_token=[0.01, 0.05]),
+        finished("abort", gen=0, e2e_latency=3.0, queue_time=None, ttft=None)]))  # fmt: skip
+    assert value(log, "brine_time_per_output_token_seconds_count") == 2
+    assert value(log, "brine_time_per_output_token_seconds_sum") == pytest.approx(0.06)
+    assert value(log, "brine_request_queue_time_seconds_count") == 1
+    assert value(log, "brine_request_queue_time_seconds_sum") == pytest.approx(0.5)
+    assert value(log, "brine_e2e_request_latency_seconds_count") == 2
+    assert value(log, "brine_request_success_total", finished_reason="abort") == 1
 
 
 def test_enum_finish_reason_uses_its_value() -> None:
