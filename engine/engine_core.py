@@ -129,7 +129,7 @@ class EngineCore:
         `/metrics` would show the old cache until the next request."""
         if not self.kv.reset_prefix_cache():
             return False
-        self._record_stats(IterationStats())
+        self._record_stats(IterationStats(), prefix_cache_reset=True)
         return True
 
     def has_work(self) -> bool:
@@ -160,7 +160,7 @@ class EngineCore:
 
     # ---- stats -----------------------------------------------------------------------------------------
 
-    def _record_stats(self, iteration: IterationStats) -> None:
+    def _record_stats(self, iteration: IterationStats, prefix_cache_reset: bool = False) -> None:
         if not self.stat_loggers:
             self.kv.make_prefix_cache_stats()  # keep the counters from growing unread
             self.scheduler.take_num_preemptions()
@@ -178,6 +178,7 @@ class EngineCore:
             prefix_cache_requests=pcs.requests,
             num_preemptions=self.scheduler.take_num_preemptions(),
             num_evictions=pcs.evictions,
+            prefix_cache_reset=prefix_cache_reset,
         )
         for stat_logger in self.stat_loggers:
             try:

@@ -55,6 +55,10 @@ class CacheHitWindow:
             self.queries -= old.queries
             self.hits -= old.hits
 
+    def clear(self) -> None:
+        self._items.clear()
+        self.requests = self.queries = self.hits = 0
+
     @property
     def hit_rate(self) -> float | None:
         return self.hits / self.queries if self.queries else None
@@ -97,6 +101,8 @@ class LoggingStatLogger:
             s, it = scheduler_stats, iteration_stats
             self._prompt_tokens += it.num_prompt_tokens
             self._generation_tokens += it.num_generation_tokens
+            if s.prefix_cache_reset:
+                self.window.clear()
             requests = s.prefix_cache_requests or (1 if s.prefix_cache_queries else 0)
             self.window.observe(requests, s.prefix_cache_queries, s.prefix_cache_hits)
             self._last = s

@@ -34,6 +34,9 @@ class SchedulerStats:
     prefix_cache_requests: int = 0
     num_preemptions: int = 0  # this step
     num_evictions: int = 0  # cached blocks whose hash was dropped on reallocation, this step
+    # The prefix cache was emptied just before this record: hit rates over a recent window start afresh, since
+    # hits from before the reset say nothing about the cache now.
+    prefix_cache_reset: bool = False
 
 
 @dataclass(slots=True)

@@ -147,6 +147,9 @@ def test_a_refused_reset_changes_nothing() -> None:
     assert not core.reset_prefix_cache()
     assert len(rec.records) == records and core.kv.num_cached_blocks > 0
     run_to_completion(core)
+    assert not any(s.prefix_cache_reset for s, _ in rec.records)  # steps are not resets
+    assert core.reset_prefix_cache()
+    assert rec.records[-1][0].prefix_cache_reset  # so the log line's hit-rate window starts afresh
 
 
 async def test_async_reset_prefix_cache_updates_the_gauges_without_a_request() -> None:

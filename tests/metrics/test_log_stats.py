@@ -118,3 +118,15 @@ def test_steps_without_request_count_count_as_one_request(clock: FakeClock) -> N
     log.record(SchedulerStats(prefix_cache_queries=100), IterationStats())
     log.record(SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=96), IterationStats())
     assert (log.window.requests, log.window.queries, log.window.hits) == (1, 100, 96)
+
+
+def test_a_prefix_cache_reset_starts_the_hit_rate_window_afresh(clock: FakeClock) -> None:
+    log = LoggingStatLogger(clock=clock, autostart=False)
+    log.record(SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=90, prefix_cache_requests=1),
+               IterationStats())  # fmt: skip
+    assert log.window.hit_rate == 0.9
+    log.record(SchedulerStats(prefix_cache_reset=True), IterationStats())
+    assert log.window.hit_rate is None and log.window.requests == 0
+    log.record(SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=0, prefix_cache_requests=1),
+               IterationStats())  # fmt: skip
+    assert log.window.hit_rate == 0.0  # hits from before the reset no longer count
