@@ -50,7 +50,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    return None  # e.g. rope_freqs: recomputed from the config
+    return None  # e.g. rope_freqs: refused by _rope_scaling, never silently dropped
 
 
 def unpermute_rotary(weight, num_heads: int):
@@ -64,6 +64,22 @@ def unpermute_rotary(weight, num_heads: int):
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _rope_scaling(reader, prefix: str, tensor_names: set[str]) -> dict | None:
+    """The config's rope_scaling for the GGUF's RoPE settings; refuses what we would silently get wrong."""
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3.1-style scaling is stored as per-frequency factors, not as the parameters that made them.
+        raise ModelNotFoundError(
+            "this GGUF scales RoPE with per-frequency factors (rope_freqs, as Llama 3.1 does), which cannot be "
+            "mapped back to a config; pass the model's Hugging Face directory instead"
+        )
+    kind = _field(reader, prefix + "rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_field(reader, prefix + "rope.scaling.factor"))}
+    raise ModelNotFoundError(f"GGUF RoPE scaling {kind!r} is not supported (supported: none, linear)")
 
 
 def _config(reader, tensor_names: set[str]) -> dict:
@@ -86,6 +102,7 @@ def _config(reader, tensor_names: set[str]) -> dict:
         "max_position_embeddings": int(_field(reader, p + "context_length")),
         "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon")),
         "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, p, tensor_names),
         "vocab_size": int(vocab),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in tensor_names,

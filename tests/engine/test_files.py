@@ -95,3 +95,46 @@ def test_gguf_tensor_names_map_to_hf():
     assert gguf_convert.hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert gguf_convert.hf_tensor_name("output_norm.weight") == "model.norm.weight"
     assert gguf_convert.hf_tensor_name("rope_freqs.weight") is None
+
+
+class _Field:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def contents(self):
+        return self.value
+
+
+class _Reader:
+    """Just the GGUF metadata `_config` reads."""
+
+    def __init__(self, **extra) -> None:
+        fields = {
+            "general.architecture": "llama",
+            "llama.attention.head_count": 4,
+            "llama.embedding_length": 64,
+            "llama.vocab_size": 128,
+            "llama.feed_forward_length": 128,
+            "llama.block_count": 2,
+            "llama.context_length": 256,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            **extra,
+        }
+        self.fields = {k: _Field(v) for k, v in fields.items()}
+
+
+def test_gguf_rope_scaling_is_kept_or_refused():
+    from engine.model.config import parse_config
+
+    names = {"token_embd.weight"}
+    assert parse_config(gguf_convert._config(_Reader(), names)).rope_type == "default"
+    linear = gguf_convert._config(
+        _Reader(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}), names
+    )
+    cfg = parse_config(linear)
+    assert (cfg.rope_type, cfg.rope) == ("linear", {"factor": 4.0})
+    with pytest.raises(ModelNotFoundError, match="RoPE scaling 'yarn'"):
+        gguf_convert._config(_Reader(**{"llama.rope.scaling.type": "yarn"}), names)
+    # Llama 3.1 GGUFs carry rope_freqs factors: dropping them would silently compute a different model.
+    with pytest.raises(ModelNotFoundError, match="rope_freqs"):
+        gguf_convert._config(_Reader(), names | {"rope_freqs.weight"})
