@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.model.attention import SdpaBackend
 from engine.model.config import ModelConfig, load_config
 from engine.model.llama import LlamaForCausalLM
 
@@ -100,5 +101,8 @@ def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) 
         if filled.get(ours, 0) != (len(shard_sizes[fused]) if fused else 1):
             raise ValueError(f"checkpoint in {model_dir} is missing weights for {ours!r}")
     model.rotary.build(device)
+    # The model is built before its device is known: give it a reference backend on that device (the runner
+    # replaces it with select_backend's choice).
+    model.attn_backend = SdpaBackend(device)
     model.eval()
     return model
