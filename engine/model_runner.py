@@ -19,6 +19,7 @@ import torch
 from engine.model.attention import AttentionMetadata
 from engine.model.device import resolve_device, resolve_dtype, select_backend
 from engine.model.loader import load_model
+from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.sampler import LogprobsOut, Sampler, SamplerOutput, token_logprobs
 from kv_cache.kv_store import KVStore
@@ -131,7 +132,7 @@ class ModelRunner:
             raise ValueError(f"token id out of range for a vocabulary of {self.vocab_size}")
         t = len(input_ids)
         host = torch.tensor(input_ids + positions + slots + sample_rows + prompt_rows, dtype=torch.int64)
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device(host, self.device)
         meta = AttentionMetadata(
             query_lens=[len(r.new_token_ids) for r in reqs],
             context_lens=[r.num_computed_tokens + len(r.new_token_ids) for r in reqs],
@@ -155,7 +156,7 @@ class ModelRunner:
         ]
         if prompt_spans:
             k = max(r.sampling_params.prompt_logprobs or 0 for r, _, _ in prompt_spans)
-            tgt = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+            tgt = index_tensor(targets, self.device)
             prompt_lp = token_logprobs(logits[ns:], tgt, k)
             parts += _flat(prompt_lp)
         # The step's only device->host sync: every result in one float64 tensor (token ids are exact).
@@ -210,6 +211,8 @@ def _records(take, lp: LogprobsOut, tokens: list[int], ks: list[int]) -> list[To
     ids = take(m * k)
     vals = take(m * k)
     return [
-        TokenLogprob(tokens[i], chosen[i], [(int(ids[i * k + j]), vals[i * k + j]) for j in range(ks[i])])
+        TokenLogprob(
+            tokens[i], chosen[i], [(int(ids[i * k + j]), vals[i * k + j]) for j in range(min(ks[i], k))]
+        )
         for i in range(m)
     ]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.transfer import index_tensor, to_device
 from engine.outputs import ScheduledRequest
 from engine.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
     """Raw log-softmax logprobs of `token_ids` (one per row of `logits`) and the top-k alternatives."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    k = min(k, lp.shape[1])  # a vocabulary smaller than the alternatives asked for
     top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], token_ids.new_zeros(len(lp), 0))
     return LogprobsOut(chosen, top_ids, top_vals)
 
@@ -68,24 +70,34 @@ class Sampler:
         """logits: [N, vocab] float32, row i for reqs[i]."""
         params = [r.sampling_params for r in reqs]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        # Row subsets are selected with device index tensors (one copy), never with Python lists: indexing
+        # a CUDA tensor with a list copies the list synchronously, which waits for the whole forward pass.
+        lp_subset, rand_subset = 0 < len(lp_rows) < len(reqs), 0 < len(rand) < len(reqs)
+        n_lp = len(lp_rows) if lp_subset else 0
+        if lp_subset or rand_subset:
+            idx = index_tensor(lp_rows[:n_lp] + (rand if rand_subset else []), logits.device)
+            lp_idx, rand_idx = idx[:n_lp], idx[n_lp:]
         logits = logits.float()
-        raw = logits[lp_rows] if lp_rows else None  # before penalties: vLLM's raw logprobs
+        raw = logits  # before penalties: vLLM's raw logprobs
         if any(_has_penalty(p) for p in params):
             logits = self._apply_penalties(logits.clone(), reqs)
         logits = self._apply_min_tokens(logits, reqs)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
-        if len(greedy) == len(reqs):
+        if not rand:
             tokens = logits.argmax(dim=-1)
+        elif not rand_subset:
+            tokens = self._sample(reqs, logits)
         else:
-            rand = [i for i, p in enumerate(params) if not p.greedy]
-            if greedy:
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
-            tokens[rand] = self._sample([reqs[i] for i in rand], logits[rand])
+            tokens = logits.argmax(dim=-1)
+            sampled = self._sample([reqs[i] for i in rand], logits.index_select(0, rand_idx))
+            tokens = tokens.index_copy(0, rand_idx, sampled)
         out = None
-        if raw is not None:
+        if lp_rows:
             k = max(params[i].logprobs or 0 for i in lp_rows)
-            out = token_logprobs(raw, tokens[lp_rows], k)
+            if lp_subset:
+                out = token_logprobs(raw.index_select(0, lp_idx), tokens.index_select(0, lp_idx), k)
+            else:
+                out = token_logprobs(raw, tokens, k)
         return SamplerOutput(tokens, lp_rows, out)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
@@ -103,22 +115,25 @@ class Sampler:
         host = torch.tensor(
             [[q.repetition_penalty, q.frequency_penalty, q.presence_penalty] for q in p], dtype=torch.float32
         )
-        idx = torch.tensor([out_r + seen_r, out_t + seen_t], dtype=torch.int64).to(logits.device)
-        coef = host.to(logits.device)
-        n_out = len(out_r)
-        sub = logits[rows]  # [P, vocab]
+        coef = to_device(host, logits.device)
+        # One copy: (row in the penalised subset, token) pairs, then the subset's rows of the batch.
+        dev = index_tensor(out_r + seen_r + out_t + seen_t + rows, logits.device)
+        n_out, n_pairs = len(out_r), len(out_r) + len(seen_r)
+        idx = dev[: 2 * n_pairs].view(2, n_pairs)
+        rows_idx = dev[2 * n_pairs :]
+        sub = logits.index_select(0, rows_idx)  # [P, vocab]
+        # Flat (row * vocab + token) indices with index_add_ / index_fill_: CUDA's accumulating index_put_
+        # range-checks its indices with two .item() calls, i.e. two syncs.
+        flat = idx[0] * sub.shape[1] + idx[1]
         counts = torch.zeros_like(sub)
-        counts.index_put_(
-            (idx[0, :n_out], idx[1, :n_out]), torch.ones(n_out, device=sub.device), accumulate=True
-        )
+        counts.view(-1).index_add_(0, flat[:n_out], torch.ones(n_out, device=sub.device))
         seen = torch.zeros_like(sub, dtype=torch.bool)
-        seen[idx[0, n_out:], idx[1, n_out:]] = True
+        seen.view(-1).index_fill_(0, flat[n_out:], True)
         rep = coef[:, 0:1]
         # Repetition penalty (prompt and output tokens): shrink positive logits, push negative ones down.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - coef[:, 1:2] * counts - coef[:, 2:3] * (counts > 0).float()
-        logits[rows] = sub
-        return logits
+        return logits.index_copy_(0, rows_idx, sub)
 
     def _apply_min_tokens(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         rows, toks = [], []
@@ -130,8 +145,9 @@ class Sampler:
                 rows += [i] * len(stop)
                 toks += stop
         if rows:
-            idx = torch.tensor([rows, toks], dtype=torch.int64).to(logits.device)
-            logits = logits.index_put((idx[0], idx[1]), torch.tensor(float("-inf"), device=logits.device))
+            idx = index_tensor(rows + toks, logits.device).view(2, -1)
+            # new_full fills on the device; torch.tensor(x, device=...) would be a blocking copy.
+            logits = logits.index_put((idx[0], idx[1]), logits.new_full((), float("-inf")))
         return logits
 
     def _sample(self, reqs: list[ScheduledRequest], logits: torch.Tensor) -> torch.Tensor:
@@ -144,7 +160,7 @@ class Sampler:
             [[p.temperature, p.min_p, k, tp] for p, k, tp in zip(params, top_k, top_p, strict=True)],
             dtype=torch.float32,
         )
-        cols = host.to(logits.device, non_blocking=True)  # one copy for all four per-row settings
+        cols = to_device(host, logits.device)  # one copy for all four per-row settings
         logits = logits / cols[:, 0:1]
         if any(p.min_p > 0 for p in params):
             probs = logits.softmax(dim=-1)

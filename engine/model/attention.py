@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.model.transfer import index_tensor, to_device
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -60,7 +62,7 @@ def build_metadata(
         context_lens=[c + n for c, n in zip(num_computed, query_lens, strict=True)],
         block_tables=block_tables,
         block_size=block_size,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+        slot_mapping=index_tensor(slots, device),
         is_causal=is_causal,
     )
 
@@ -160,7 +162,7 @@ class SdpaBackend:
                 decodes.setdefault(_next_pow2(-(-ctx // bs)), []).append(i)
             else:
                 nb = -(-ctx // bs)
-                blocks = torch.tensor(meta.block_tables[i][:nb], dtype=torch.int64).to(self.device)
+                blocks = index_tensor(meta.block_tables[i][:nb], self.device)
                 chunks.append(_Chunk(start, n, ctx, blocks))
         groups = [self._decode_group(meta, rows, nb) for nb, rows in sorted(decodes.items())]
         return SdpaPlan(fresh, groups, chunks, meta.is_causal)
@@ -168,14 +170,16 @@ class SdpaBackend:
     def _decode_group(self, meta: AttentionMetadata, rows: list[int], nb: int) -> _DecodeGroup:
         nb = min(nb, max(len(meta.block_tables[i]) for i in rows))
         table = [(meta.block_tables[i][:nb] + [0] * nb)[:nb] for i in rows]
+        # One copy: token index, context length and block table of every row side by side.
         host = torch.tensor(
-            [[meta.query_starts[i] for i in rows], [meta.context_lens[i] for i in rows]], dtype=torch.int64
+            [[meta.query_starts[i], meta.context_lens[i], *t] for i, t in zip(rows, table, strict=True)],
+            dtype=torch.int64,
         )
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device(host, self.device)
         return _DecodeGroup(
-            token_idx=dev[0],
-            block_table=torch.tensor(table, dtype=torch.int64).to(self.device, non_blocking=True),
-            context_lens=dev[1].view(-1, 1, 1, 1),
+            token_idx=dev[:, 0].contiguous(),
+            block_table=dev[:, 2:].contiguous(),
+            context_lens=dev[:, 1].view(-1, 1, 1, 1),
             key_pos=torch.arange(nb * meta.block_size, device=self.device).view(1, 1, 1, -1),
         )
 

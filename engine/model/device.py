@@ -16,11 +16,14 @@ matmuls are emulated and slower than float32, hence the check.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from engine.model.attention import AttentionBackend, SdpaBackend
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,7 +90,15 @@ def select_backend(
         raise ValueError(f"BRINE_ATTENTION_BACKEND must be auto, sdpa or flex, got {choice!r}")
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
         try:
-            from engine.model.flex_attention import FlexBackend
+            from engine.model.flex_attention import FlexBackend, cuda_kv_tile
+
+            if choice == "auto" and cuda_kv_tile(block_size) is None:
+                logger.warning(
+                    "block size %d is not a multiple of 16, which FlexAttention's CUDA kernel needs: "
+                    "using the SDPA reference backend (it gathers each context every step)",
+                    block_size,
+                )
+                return SdpaBackend(device)
 
             return FlexBackend(device, num_blocks, block_size, max_rows=max_rows, compile=True)
         except ImportError:  # torch without FlexAttention (< 2.5)

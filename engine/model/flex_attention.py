@@ -25,10 +25,18 @@ import numpy as np
 import torch
 
 from engine.model.attention import AttentionMetadata, SdpaBackend, SdpaPlan
+from engine.model.transfer import index_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
 Q_BLOCK = 16  # query rows per tile: small, so a decode (1 real row) wastes little
+
+
+def cuda_kv_tile(block_size: int) -> int | None:
+    """Keys per Triton tile for a cache block size: a power of two from 16 (tl.dot's minimum) to 64 that
+    divides the block; None when there is none (block sizes that are not a multiple of 16)."""
+    tile = min(block_size & -block_size, 64)  # largest power of two dividing block_size
+    return tile if tile >= 16 else None
 
 
 @dataclass(slots=True)
@@ -127,16 +135,20 @@ class FlexBackend:
             # the SDPA fallback.
             import torch._dynamo.config as dynamo_config
 
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+            limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 64))
             if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
                 dynamo_config.fail_on_recompile_limit_hit = True
         # fullgraph: a graph break would run flex eagerly, which densifies the whole cache.
         self._flex = torch.compile(flex_attention, fullgraph=True) if use_compile else flex_attention
-        self._kernel_options = (
-            {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": min(block_size, 64)}
-            if device.type == "cuda"
-            else None
-        )
+        self._kernel_options = None
+        if device.type == "cuda":
+            tile = cuda_kv_tile(block_size)
+            if tile is None:
+                raise ValueError(
+                    f"FlexAttention on CUDA needs a block size that is a multiple of 16, not {block_size}"
+                )
+            self._kernel_options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": tile}
         self.failed: str | None = None  # set when flex could not run; the reference path serves instead
         self.succeeded = False  # flex ran at least once
 
@@ -187,15 +199,16 @@ class FlexBackend:
         src = torch.from_numpy(np.concatenate([*q_src, np.zeros(pad, dtype=np.int64)]))
         pos = np.concatenate([*q_pos, np.zeros(pad, dtype=np.int64)]).astype(np.int32)
         lim = np.concatenate([*q_lim, np.full(pad, -1, dtype=np.int64)]).astype(np.int32)
-        self._q_pos[:num_rows].copy_(torch.from_numpy(pos), non_blocking=True)
-        self._q_lim[:num_rows].copy_(torch.from_numpy(lim), non_blocking=True)
-        idx = torch.from_numpy(np.stack([np.concatenate(out_rows), np.concatenate(out_tokens)])).to(
-            self.device
+        # copy_ from the device copies: the persistent buffers stay the ones mask_mod closes over.
+        self._q_pos[:num_rows].copy_(to_device(torch.from_numpy(pos), self.device))
+        self._q_lim[:num_rows].copy_(to_device(torch.from_numpy(lim), self.device))
+        idx = to_device(
+            torch.from_numpy(np.stack([np.concatenate(out_rows), np.concatenate(out_tokens)])), self.device
         )
         return FlexPlan(
             sdpa,
             num_rows,
-            src.to(self.device, non_blocking=True),
+            to_device(src, self.device),
             idx[0],
             idx[1],
             requests,
@@ -222,11 +235,11 @@ class FlexBackend:
         kv_idx, kv_num = _pack(partial, num_tiles, min_cols)
         full_idx, full_num = _pack(full, num_tiles, min_cols)
         if logical:
-            upd = torch.tensor([list(logical), list(logical.values())], dtype=torch.int64).to(self.device)
+            upd = index_tensor([*logical, *logical.values()], self.device).view(2, -1)
             self.block_pos.index_copy_(0, upd[0], upd[1].to(torch.int32))
 
         def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)[None, None]
+            return to_device(torch.from_numpy(a), self.device)[None, None]
 
         kwargs = dict(
             full_kv_num_blocks=dev(full_num),

@@ -1,19 +1,23 @@
 """Fixtures for the model tests: tiny random checkpoints of every supported architecture, saved the way a
 real model directory is (config.json + model.safetensors), with the transformers model kept as the reference,
-and a small driver (`Paged`) that runs our model over requests with explicit, non-contiguous block tables.
+and a small driver (`Paged`) that runs our model over requests with explicit, non-contiguous block tables,
+and `HostSyncs`, which records what would make the host wait for a GPU.
 
 (CUDA-marked tests are skipped by the suite-wide hook in tests/conftest.py.)
 """
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 TINY = dict(
     hidden_size=64,
@@ -130,3 +134,55 @@ class Paged:
 @pytest.fixture
 def paged() -> type[Paged]:
     return Paged
+
+
+class HostSyncs(TorchFunctionMode):
+    """Records, while active, every call that makes the host wait for a CUDA device: reading values back
+    (`tolist`, `item`, ...), indexing with a Python list or a bool mask (the list is copied synchronously, the
+    mask needs `nonzero`), `torch.tensor(..., device=...)` and `.to(device)` without `non_blocking`.
+
+    Nothing waits on CPU, so this is how CPU tests hold the runner to one sync per step. `events` holds
+    (what, where) pairs, `where` being the first frame outside torch.
+    """
+
+    READS = frozenset({"tolist", "item", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+
+    def _record(self, what: str) -> None:
+        frame = sys._getframe(2)
+        while frame.f_back is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+            frame = frame.f_back
+        self.events.append((what, f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self._record(name)
+        elif name in ("__getitem__", "__setitem__") and _syncing_index(args[1]):
+            self._record(f"{name} with a list or mask")
+        elif name == "tensor" and kwargs.get("device") is not None:
+            self._record("torch.tensor(device=...)")
+        elif name == "to" and not kwargs.get("non_blocking") and _names_device(args[1:], kwargs):
+            self._record("blocking .to(device)")
+        return func(*args, **kwargs)
+
+    def reads(self) -> list[str]:
+        return [what for what, _ in self.events if what in self.READS]
+
+
+def _syncing_index(index: object) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool) for p in parts)
+
+
+def _names_device(args: tuple, kwargs: dict) -> bool:
+    return "device" in kwargs or any(isinstance(a, torch.device | str) for a in args)
+
+
+@pytest.fixture
+def host_syncs() -> type[HostSyncs]:
+    return HostSyncs

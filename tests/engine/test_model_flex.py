@@ -91,6 +91,20 @@ def test_block_plan_equals_true_mask(seed):
             row += -(-n // Q_BLOCK) * Q_BLOCK
 
 
+def test_cuda_kv_tiles_divide_the_block_and_suit_triton(monkeypatch):
+    from engine.model.attention import SdpaBackend
+    from engine.model.device import select_backend
+    from engine.model.flex_attention import cuda_kv_tile
+
+    assert [cuda_kv_tile(bs) for bs in (16, 32, 48, 64, 128, 256)] == [16, 32, 16, 64, 64, 64]
+    assert [cuda_kv_tile(bs) for bs in (1, 8, 24, 40)] == [None] * 4
+    # A block size the Triton kernel cannot tile gets the reference backend up front (no CUDA touched),
+    # instead of a compile error at the first decode.
+    monkeypatch.delenv("BRINE_ATTENTION_BACKEND", raising=False)
+    backend = select_backend(torch.device("cuda"), 64, 24)
+    assert isinstance(backend, SdpaBackend) and backend.device == torch.device("cuda")
+
+
 def test_conflicting_logical_positions_are_refused():
     backend = FlexBackend(torch.device("cpu"), 16, 4, max_rows=64, compile=False)
     # Block 5 appears as logical block 1 of one request and logical block 0 of another: impossible for a
@@ -99,6 +113,22 @@ def test_conflicting_logical_positions_are_refused():
     plan = backend.plan(meta)
     with pytest.raises(RuntimeError, match="logical"):
         backend._block_mask(plan, None)
+
+
+def test_planning_never_waits_for_the_device(host_syncs):
+    # plan() runs at the start of each step, the block masks inside the first layer: on CUDA a blocking copy
+    # there stalls the host until the queued kernels finish.
+    backend = FlexBackend(torch.device("cpu"), 40, 4, max_rows=64, compile=False)
+    reqs = _random_batch(random.Random(5), 40, 4)
+    meta = build_metadata(
+        [c for c, _, _ in reqs], [n for _, n, _ in reqs], [t for _, _, t in reqs], 4, torch.device("cpu")
+    )
+    with host_syncs() as syncs:
+        plan = backend.plan(meta)
+        for window in (None, 5):
+            backend._block_mask(plan, window)
+        backend.sdpa.plan(meta)  # the fallback's plan
+    assert plan.requests and syncs.events == []
 
 
 def _mixed_steps(run, tiny):
@@ -157,13 +187,29 @@ def test_cuda_flex_matches_transformers(name, dtype, tiny_model, paged):
 
 
 @pytest.mark.cuda
-def test_cuda_flex_equals_sdpa_reference_on_random_batches(tiny_model, paged):
-    from engine.model.attention import SdpaBackend
+def test_cuda_loaded_model_runs_with_its_default_backend(tiny_model, paged):
+    tiny = tiny_model("qwen2")
+    model = load_model(tiny.path, torch.device("cuda"), torch.float32)
+    run = paged(model, num_blocks=64, block_size=16)
+    for ours, ref in _mixed_steps(run, tiny):
+        torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
 
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.cuda)]
+)
+def test_flex_equals_sdpa_reference_on_random_batches(device, tiny_model, paged, monkeypatch):
+    # Built the way the runner builds it (select_backend, compiled): on CPU this runs inductor's C++ flex
+    # kernel over the very block masks and mask_mod the CUDA kernel gets, across steps of changing shapes.
+    from engine.model.attention import SdpaBackend
+    from engine.model.device import select_backend
+
+    monkeypatch.setenv("BRINE_ATTENTION_BACKEND", "flex")
     tiny = tiny_model("qwen3")
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     model = load_model(tiny.path, dev, torch.float32)
-    flex = FlexBackend(dev, 128, 16, max_rows=1024)
+    flex = select_backend(dev, 128, 16, max_rows=1024)
+    assert isinstance(flex, FlexBackend)
     ref = SdpaBackend(dev)
     rng = random.Random(0)
     for _ in range(5):
@@ -181,7 +227,7 @@ def test_cuda_flex_equals_sdpa_reference_on_random_batches(tiny_model, paged):
         got = run.step(step)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-3)
-    assert flex.failed is None
+    assert flex.failed is None and flex.succeeded
 
 
 @pytest.mark.cuda

@@ -168,6 +168,100 @@ def test_seeded_sampling_is_reproducible_across_batches(runner_for):
     assert run(False) == run(True)
 
 
+def test_each_step_syncs_with_the_device_once(runner_for, host_syncs):
+    # Every sampling feature in one batch: subsets of rows with logprobs, with penalties, with min_tokens,
+    # greedy next to random and seeded rows, prompt logprobs, a chunked prefill and a prefix hit. On CUDA any
+    # list indexing or blocking copy would make the host wait for the forward pass in the middle of the step.
+    runner, _ = runner_for("qwen3")
+    drv = Driver(runner, chunk=6)
+    a = [5, 9, 17, 33, 2, 8, 90, 61, 3, 4, 100, 7, 12]
+    drv.add("greedy", a, SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1))
+    seeded = SamplingParams(
+        temperature=0.8,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=3,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        min_tokens=6,
+        stop_token_ids=[5],
+    )
+    drv.add("seeded", a[:4] + [44, 45], seeded, shared_blocks=drv.reqs["greedy"]["blocks"][:1])
+    drv.add("plain", [77, 78, 79], SamplingParams(temperature=1.0))
+    drv.add("penalised", [1, 1, 2], SamplingParams(temperature=0.0, repetition_penalty=1.5))
+    for step in range(5):
+        with host_syncs() as syncs:
+            drv.step()
+        assert [what for what, _ in syncs.events] == ["tolist"], (step, syncs.events)
+    assert all(len(r["out"]) >= 3 for r in drv.reqs.values())
+
+
+@pytest.mark.cuda
+def test_cuda_each_step_syncs_once(tiny_model):
+    # The real check behind the CPU test above: CUDA's sync debug mode warns on every synchronising call.
+    import warnings
+
+    tiny = tiny_model("qwen3")
+    runner = ModelRunner(tiny.path, device="cuda", dtype="float32", block_size=16, num_blocks=64)
+    assert runner.attention_backend == "flex"
+    params = {
+        "greedy": SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
+        "seeded": SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=20, seed=3, frequency_penalty=0.5, min_tokens=9
+        ),
+        "plain": SamplingParams(temperature=1.0, repetition_penalty=1.2),
+    }
+    prompt = list(range(3, 40))
+
+    def run(seed: int) -> list[list[tuple[str, int]]]:
+        drv = Driver(runner, chunk=24, seed=seed)
+        drv.add("greedy", prompt, params["greedy"], max_len=128)
+        drv.add("seeded", prompt[:16] + [50, 51], params["seeded"], drv.reqs["greedy"]["blocks"][:1], 128)
+        drv.add("plain", [7] * 9, params["plain"], max_len=128)
+        per_step = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    drv.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            per_step.append([(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)])
+        return per_step
+
+    run(0)  # compiles flex for these shapes (compilation may sync)
+    for step, syncs in enumerate(run(1)):
+        assert len(syncs) == 1, (step, syncs)
+    assert runner.attention_backend == "flex"
+
+
+def test_logprobs_of_a_vocabulary_smaller_than_asked(tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=12,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    runner = ModelRunner(tmp_path, device="cpu", dtype="float32", block_size=4, num_blocks=8)
+    drv = Driver(runner, chunk=16)
+    drv.add("r", [1, 2, 3], SamplingParams(temperature=0.0, logprobs=20, prompt_logprobs=20), max_len=8)
+    result = drv.step()
+    assert [len(rec.top) for rec in result.prompt_logprobs["r"]] == [12, 12]
+    assert len(result.logprobs["r"].top) == 12
+    assert sorted(t for t, _ in result.logprobs["r"].top) == list(range(12))
+
+
 def test_finished_requests_and_bad_tokens(runner_for):
     runner, _ = runner_for("llama")
     assert runner.execute(SchedulerOutput([], 0, finished_request_ids=["gone"])).sampled_token_ids == {}

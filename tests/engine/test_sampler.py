@@ -42,6 +42,22 @@ def test_top_k_one_equals_greedy():
     assert _sampler()(logits, reqs).token_ids.tolist() == logits.argmax(-1).tolist()
 
 
+def test_greedy_and_sampled_rows_land_in_their_own_places():
+    logits = _logits(6, 7)  # every row has its own argmax
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=1, logprobs=1)] * 3
+    out = _sampler()(logits, [_req(p, rid=str(i)) for i, p in enumerate(params)])
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.logprob_rows == [1, 3, 5]
+    raw = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(out.logprobs.top_vals[:, 0], raw[[1, 3, 5]].max(-1).values)
+
+
+def test_top_logprobs_are_capped_by_the_vocabulary():
+    logits = torch.tensor([[0.5, 2.0, -1.0]])
+    out = Sampler(torch.device("cpu"), 3)(logits, [_req(SamplingParams(temperature=0.0, logprobs=20))])
+    assert out.logprobs.top_ids.tolist() == [[1, 0, 2]]
+
+
 def test_tiny_top_p_equals_greedy():
     logits = _logits(8, 2)
     reqs = [_req(SamplingParams(temperature=1.0, top_p=1e-6)) for _ in range(8)]
