@@ -14,6 +14,7 @@ from server.errors import bad_request
 from server.protocol import ChatMessage
 
 logger = logging.getLogger("brine.server")
+_KWARGS = "chat_template_kwargs"
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
@@ -65,6 +66,10 @@ def render_chat(
     chat_template_kwargs: dict[str, Any] | None,
 ) -> list[int]:
     kwargs = dict(chat_template_kwargs or {})
+    if "chat_template" in kwargs:
+        # The template comes from the model. A request's own template would be an arbitrary Jinja program run
+        # on the event loop: one nested loop stalls every other request and grows memory without bound.
+        raise bad_request("chat_template_kwargs must not replace the model's chat template.", _KWARGS)
     # These two are ours to set; letting chat_template_kwargs repeat them would raise a TypeError.
     kwargs.pop("add_generation_prompt", None)
     kwargs.pop("continue_final_message", None)

@@ -169,3 +169,13 @@ def test_prefix_cache_hits_are_reported(client: TestClient) -> None:
     second = client.post("/v1/chat/completions", json=chat_body(long + "two")).json()["usage"]
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["prompt_tokens_details"]["cached_tokens"] >= len(long) - 4
+
+
+def test_request_cannot_replace_the_chat_template(client: TestClient, engine: FakeEngine) -> None:
+    # The template comes from the model: a request-supplied one would also let any client run an arbitrary
+    # (slow, memory-hungry) Jinja program on the event loop.
+    kwargs = {"chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"}}
+    assert_error(client.post("/v1/chat/completions", json=chat_body(**kwargs)), 400, "chat_template_kwargs")
+    tokenize = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kwargs}
+    assert_error(client.post("/tokenize", json=tokenize), 400, "chat_template_kwargs")
+    assert engine.calls == [] and engine.tokenizer.template_calls == []
