@@ -13,13 +13,14 @@ from typing import Protocol
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
 from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError, bad_request, error_body, install_error_handlers
 from server.generation import ClientDisconnected
 from server.params import check_model
-from server.parsing import parse_request
+from server.parsing import MAX_BODY_BYTES, parse_request
 from server.prompts import encode, render_chat
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.responses import now
@@ -43,20 +44,24 @@ def create_app(
     *,
     api_keys: Sequence[str] = (),
     metrics: MetricsRenderer | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     api_keys: when non-empty, every route but `GET /health` needs `Authorization: Bearer <one of them>`.
     metrics: what `GET /metrics` renders (a `metrics.prometheus.PrometheusStatLogger`); empty body if None.
+    max_body_bytes: larger request bodies are refused with a 413 before they are parsed.
     """
     app = FastAPI(title="Brine", version=_version(), docs_url=None, redoc_url=None)
+    app.state.max_body_bytes = max_body_bytes
     install_error_handlers(app)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys))
     created = now()
 
     @app.exception_handler(ClientDisconnected)
-    async def _client_gone(_: Request, __: ClientDisconnected) -> Response:
+    @app.exception_handler(ClientDisconnect)  # gone while sending its body: not a server error either
+    async def _client_gone(_: Request, __: Exception) -> Response:
         # Nobody reads this; 499 (nginx's "client closed request") keeps it out of 5xx dashboards.
         return Response(status_code=499)
 

@@ -14,16 +14,47 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from server.errors import bad_request, validation_error
+from server.errors import APIError, bad_request, validation_error
 
 MAX_CACHE_SALT_CHARS = 1024
+# Far above any prompt a context window holds (a 128k-token prompt is about 1 MiB of JSON), far below what
+# would exhaust memory or stall the event loop for long.
+MAX_BODY_BYTES = 16 * 2**20
 _SALT_CODE = "invalid_cache_salt"
 
 M = TypeVar("M", bound=BaseModel)
 
 
+async def read_body(request: Request) -> bytes:
+    """The body, refused with a 413 once it passes the app's cap (`create_app(max_body_bytes=...)`).
+
+    Checked against Content-Length first and again while reading (a chunked body declares no length), so
+    an oversized body is never buffered whole: parsing and tokenizing it would stall every other request.
+    """
+    limit: int = getattr(request.app.state, "max_body_bytes", MAX_BODY_BYTES)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        f"The request body is larger than the {limit} bytes this server accepts.",
+        status=413,
+        code="request_too_large",
+    )
+
+
 async def read_json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    raw = await read_body(request)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from server_helpers import assert_error, chat_body, completion_body
+
+from server.app import create_app
+from server.parsing import MAX_BODY_BYTES
 
 
 def test_unknown_route_and_method(client: TestClient) -> None:
@@ -91,3 +96,35 @@ def test_engine_dying_between_check_and_generate(engine: FakeEngine, client: Tes
     engine.is_healthy = lambda: True  # type: ignore[method-assign]
     engine.healthy = False
     assert_error(client.post("/v1/completions", json=completion_body()), 503, code="engine_dead")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+def test_huge_body_is_413_before_parsing(engine: FakeEngine, path: str) -> None:
+    # Without a cap one request could make the server buffer, parse and tokenize gigabytes: every tenant stalls.
+    client = TestClient(create_app(engine, max_body_bytes=1000))
+    body = completion_body("x" * 2000) | chat_body("x" * 2000)
+    assert_error(client.post(path, json=body), 413, code="request_too_large")
+
+    def chunked() -> Iterator[bytes]:  # no content-length: the cap must hold while reading
+        yield b'{"prompt": "'
+        yield b"x" * 2000
+        yield b'"}'
+
+    r = client.post(path, content=chunked(), headers={"content-type": "application/json"})
+    assert_error(r, 413, code="request_too_large")
+    assert engine.calls == []
+    # Bodies under the cap still work.
+    small = {"prompt": "x"} if path == "/tokenize" else completion_body("x") | chat_body("x")
+    assert client.post(path, json=small).status_code == 200
+
+
+def test_default_body_cap_leaves_room_for_long_prompts(client: TestClient) -> None:
+    # A long but sane body (1 MiB of padding) is not refused by the default cap.
+    raw = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2' + b" " * 2**20 + b"}"
+    assert client.post("/v1/completions", content=raw).status_code == 200
+
+
+def test_default_body_cap(client: TestClient, engine: FakeEngine) -> None:
+    raw = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2' + b" " * MAX_BODY_BYTES + b"}"
+    assert_error(client.post("/v1/completions", content=raw), 413, code="request_too_large")
+    assert engine.calls == []

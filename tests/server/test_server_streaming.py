@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
+import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from server_helpers import assert_error, chat_body, completion_body, sse_events
@@ -161,3 +163,38 @@ async def test_finished_stream_aborts_nothing() -> None:
         app, "/v1/completions", completion_body(stream=True), disconnect_after_bodies=10**6
     )
     assert sent[0]["status"] == 200 and engine.aborted == [] and engine.num_used_blocks() == 0
+
+
+async def test_disconnect_while_sending_the_body_is_not_a_server_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine()
+    sent: list[dict] = []
+    messages = [
+        {"type": "http.request", "body": b'{"prompt": "hel', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    await asyncio.wait_for(create_app(engine)(scope, receive, send), timeout=10)
+    assert sent[0]["status"] < 500 and engine.calls == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a client leaving is no bug
