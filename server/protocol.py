@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -18,6 +18,20 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 class _Request(BaseModel):
     # NaN / Infinity are valid in Python's json module but meaningless as sampling settings.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI clients send null for optional fields they leave unset: null must then mean the field's
+        default (`max_tokens` 16 on completions, `add_generation_prompt` true), not None, which reads as
+        "no limit" or "false" further on."""
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in cls.model_fields or cls.model_fields[key].default is None
+        }
 
 
 class StreamOptions(_Request):
@@ -80,8 +94,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    # str | list[str] | list[int] | list[list[int]]; None is allowed by the spec's nullable and rejected later
-    # with a clear message.
+    # str | list[str] | list[int] | list[list[int]]; an explicit null counts as absent (a 400: required).
     prompt: str | list[str] | list[int] | list[list[int]] | None
     max_tokens: int | None = 16
     echo: bool | None = False

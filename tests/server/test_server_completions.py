@@ -110,7 +110,7 @@ def test_context_length(client: TestClient, engine: FakeEngine) -> None:
         "context_length_exceeded",
     )
     assert "maximum context length" in err["message"]
-    # No max_tokens and a prompt that fills the context: no room for output.
+    # max_tokens null means the default 16, which a prompt filling the context leaves no room for.
     body = completion_body("x" * 256, max_tokens=None)
     assert_error(client.post("/v1/completions", json=body), 400, code="context_length_exceeded")
     assert engine.calls == []
