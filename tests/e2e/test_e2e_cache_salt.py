@@ -39,6 +39,7 @@ def test_salt_is_accepted_on_both_routes(client: openai.OpenAI, brine_server: Br
         model=brine_server.model, prompt="Hi", max_tokens=2, extra_body={"cache_salt": salt}
     )
     assert completion.choices[0].text is not None
+    assert "x" * 1017 not in brine_server.log_tail(10**9)  # never logged, whatever the log level shows
 
 
 @pytest.mark.parametrize("salt", ["", "s" * 1025, 12, None, ["a"], {"k": "v"}, False], ids=repr)

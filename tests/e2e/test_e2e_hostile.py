@@ -4,6 +4,7 @@ to every tenant, so the server has to keep such input away from it or the engine
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 from e2e_server import BrineServer
 
@@ -36,3 +37,38 @@ def test_extreme_settings(brine_server: BrineServer, extra: dict) -> None:
     assert r.status_code < 500, r.text
     health = httpx.get(f"{brine_server.base_url}/health", timeout=10)
     assert health.status_code == 200, brine_server.log_tail()
+
+
+def test_sdk_nulls_mean_defaults(client: openai.OpenAI, brine_server: BrineServer) -> None:
+    # The SDK sends an explicit None as JSON null; OpenAI reads null as "the default".
+    nulls = {"stop": None, "temperature": None, "seed": None, "logprobs": None, "n": None, "user": None}
+    chat = client.chat.completions.create(
+        model=brine_server.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=None,
+        max_completion_tokens=3,
+        top_logprobs=None,
+        stream_options=None,
+        response_format=None,
+        **nulls,
+    )
+    assert len(chat.choices) == 1 and chat.usage is not None and chat.usage.completion_tokens <= 3
+    # Completions' default max_tokens is 16, null included (not "up to the context length").
+    text = client.completions.create(
+        model=brine_server.model, prompt="Once upon a time", max_tokens=None, echo=None, **nulls
+    )
+    assert text.usage is not None and text.usage.completion_tokens <= 16
+
+
+def test_oversized_body_and_request_template_are_refused(brine_server: BrineServer) -> None:
+    url = f"{brine_server.base_url}/v1/chat/completions"
+    raw = b'{"messages": [{"role": "user", "content": "Hi"}]' + b" " * (17 * 2**20) + b"}"
+    r = httpx.post(url, content=raw, headers={**brine_server.headers, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "chat_template_kwargs": {"chat_template": "{% for i in range(99999) %}{{ i }}{% endfor %}"},
+    }
+    r = httpx.post(url, json=body, headers=brine_server.headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
