@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=HASH_ALGOS,
         default="sha256",
         help="hash that names cached blocks; sha256 makes collisions practically impossible, xxhash is "
-        "faster (default: %(default)s)",
+        "faster but not collision-resistant: never use it with untrusted tenants (default: %(default)s)",
     )
     s.add_argument(
         "--kv-cache-memory",
