@@ -32,8 +32,12 @@ class Tokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`add_special_tokens=False` for text rendered by the chat template, which already has them."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """`add_special_tokens=False` for text rendered by the chat template, which already has them.
+
+        Through `encode_batch`, which releases the GIL while the Rust tokenizer works (`encode` holds it): the
+        server tokenizes in a worker thread, and a megabyte-long prompt must not stall the event loop and the
+        engine thread for a second."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -13,6 +13,7 @@ from typing import Protocol
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
@@ -124,7 +125,8 @@ def create_app(
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty.", "messages")
-            tokens = render_chat(
+            tokens = await run_in_threadpool(
+                render_chat,
                 engine.tokenizer,
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
@@ -132,7 +134,9 @@ def create_app(
                 chat_template_kwargs=req.chat_template_kwargs,
             )
         else:
-            tokens = encode(engine.tokenizer, req.prompt or "", add_special_tokens=req.add_special_tokens)
+            tokens = await run_in_threadpool(
+                encode, engine.tokenizer, req.prompt or "", add_special_tokens=req.add_special_tokens
+            )
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

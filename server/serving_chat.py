@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from engine.outputs import FinishReason, RequestOutput, TokenLogprob
@@ -57,7 +58,9 @@ async def create_chat_completion(engine: EngineClient, request: Request) -> Resp
     req, salt = await parse_generation_request(request, ChatCompletionRequest)
     check_model(req.model, engine.model_name)
     check_chat_features(req)
-    prompt = render_chat(
+    # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
+    prompt = await run_in_threadpool(
+        render_chat,
         engine.tokenizer,
         req.messages,
         add_generation_prompt=bool(req.add_generation_prompt),

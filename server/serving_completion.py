@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
@@ -122,7 +123,8 @@ async def create_completion(engine: EngineClient, request: Request) -> Response:
     check_model(req.model, engine.model_name)
     check_completion_features(req)
     vocab = vocab_size(engine.tokenizer)
-    prompts = completion_prompts(engine.tokenizer, req.prompt, vocab)
+    # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
+    prompts = await run_in_threadpool(completion_prompts, engine.tokenizer, req.prompt, vocab)
     # The longest prompt decides the context check; each prompt gets the same max_tokens.
     params = sampling_params(
         req,

@@ -7,6 +7,8 @@ still be in use.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -116,3 +118,26 @@ async def test_streamed_output_text_equals_the_decode_of_its_tokens(cached):
     tokens, text, _ = await run(cached, ids, params)
     eos = cached.tokenizer.eos_token_ids
     assert text == cached.tokenizer.decode([t for t in tokens if t not in eos])
+
+
+def test_encoding_a_long_prompt_lets_other_threads_run(cached):
+    """The server tokenizes in a worker thread; that only helps if the tokenizer releases the GIL meanwhile,
+    or a long prompt would stall the event loop (and the engine thread) until it is encoded."""
+    text = "The quick brown fox jumps over the lazy dog, again and again. " * 8000  # ~500 kB
+    ticks, done = 0, threading.Event()
+
+    def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks += 1
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        ids = cached.tokenizer.encode(text, add_special_tokens=False)
+    finally:
+        done.set()
+        thread.join()
+    assert ids == cached.tokenizer.backend.encode(text, add_special_tokens=False).ids
+    assert ticks >= 10, f"the other thread ran only {ticks} times while {len(ids)} tokens were encoded"
