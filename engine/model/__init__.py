@@ -2,6 +2,7 @@
 
 - `config`: what we read from config.json, and which architectures / settings we support.
 - `loader`: safetensors -> `llama.LlamaForCausalLM` (fused q/k/v and gate/up).
+- `cpu_linear`: bfloat16 linears on weights pre-packed for oneDNN (CPU only; same results, faster).
 - `llama`: the model over a flat batch of tokens.
 - `attention`: per-step metadata, the backend interface, the SDPA reference backend.
 - `flex_attention`: the FlexAttention backend used on CUDA.

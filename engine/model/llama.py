@@ -148,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        # Set by cpu_linear.pack_linears for a tied head: a packed copy of embed_tokens.weight.
+        self.packed_lm_head: nn.Module | None = None
         self.rotary = Rotary(cfg)
         self.attn_backend: AttentionBackend = SdpaBackend(torch.device("cpu"))
 
@@ -179,5 +181,8 @@ class LlamaForCausalLM(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         # Only the rows that sample (or ask for prompt logprobs) go through the norm and the vocab matmul.
         h = self.norm(h.index_select(0, logits_indices))
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(h).float()
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        return F.linear(h, self.embed_tokens.weight).float()

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from engine.model.attention import SdpaBackend
 from engine.model.config import ModelConfig, load_config
+from engine.model.cpu_linear import pack_linears, packing_supported
 from engine.model.llama import LlamaForCausalLM
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -66,7 +67,10 @@ def _fused_module(ours: str) -> str | None:
     return module if module in ("self_attn.qkv_proj", "mlp.gate_up_proj") else None
 
 
-def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path | str, device: torch.device, dtype: torch.dtype, pack: bool = True
+) -> LlamaForCausalLM:
+    """`pack`: on CPU in bfloat16, pack the linear weights for oneDNN (see cpu_linear; same results)."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     with torch.device("meta"):
@@ -105,4 +109,7 @@ def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) 
     # replaces it with select_backend's choice).
     model.attn_backend = SdpaBackend(device)
     model.eval()
+    if pack and packing_supported(device, dtype):
+        tied = model.embed_tokens.weight if model.lm_head is None else None
+        model.packed_lm_head = pack_linears(model, tied_head=tied)
     return model

@@ -1,0 +1,98 @@
+"""bfloat16 CPU linears on pre-packed oneDNN weights: same logits as the plain `F.linear` model, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.model import cpu_linear
+from engine.model.cpu_linear import PackedLinear, packing_supported
+from engine.model.loader import load_model
+
+CPU = torch.device("cpu")
+needs_packing = pytest.mark.skipif(
+    not packing_supported(CPU, torch.bfloat16), reason="this torch/CPU cannot run packed bfloat16 linears"
+)
+
+
+def _steps(paged, model) -> list[torch.Tensor]:
+    """Two prompts of different lengths, then three batched decode steps; every step's logits."""
+    run = paged(model, seed=7)  # same seed: both models get the same non-contiguous block tables
+    rng = random.Random(3)
+    prompts = [[rng.randrange(128) for _ in range(n)] for n in (13, 6)]
+    tables = [run.table_for(n + 3) for n in (13, 6)]
+    logits = run.step([(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    out = [torch.cat(logits)]
+    seqs = [p + [int(lg[-1].argmax())] for p, lg in zip(prompts, logits, strict=True)]
+    for _ in range(3):
+        logits = run.step([(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)])
+        out.append(torch.cat(logits))
+        for s, lg in zip(seqs, logits, strict=True):
+            s.append(int(lg[-1].argmax()))
+    return out
+
+
+def _with_random_biases(src: Path, dest: Path) -> Path:
+    """A copy of a tiny checkpoint whose biases are not zero (transformers initialises them to zero, which
+    would hide a packed layer that drops its bias)."""
+    shutil.copytree(src, dest)
+    tensors = load_file(dest / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(tensors, dest / "model.safetensors")
+    return dest
+
+
+@needs_packing
+def test_packed_model_matches_unpacked_bit_for_bit(arch, tiny_model, paged, tmp_path):
+    path = _with_random_biases(tiny_model(arch).path, tmp_path / arch)
+    plain = load_model(path, CPU, torch.bfloat16, pack=False)
+    packed = load_model(path, CPU, torch.bfloat16)
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    # qkv, o, gate_up, down per layer, and the head (its own, or a packed copy of a tied embedding)
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * packed.cfg.num_layers + 1
+    assert (packed.packed_lm_head is not None) == (packed.lm_head is None)  # tied heads get a packed copy
+    for a, b in zip(_steps(paged, plain), _steps(paged, packed), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_float32_and_non_cpu_are_not_packed(tiny_model):
+    assert not packing_supported(CPU, torch.float32)
+    assert not packing_supported(torch.device("cuda"), torch.bfloat16)
+    model = load_model(tiny_model("qwen2").path, CPU, torch.float32)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert model.packed_lm_head is None
+
+
+@needs_packing
+def test_nothing_is_packed_when_the_probe_disagrees(tiny_model, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_linear, "_agrees", lambda *args: False)
+    with caplog.at_level(logging.WARNING, logger=cpu_linear.__name__):
+        model = load_model(tiny_model("llama").path, CPU, torch.bfloat16)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert model.packed_lm_head is None
+    assert "not packing" in caplog.text
+
+
+@pytest.mark.slow
+@needs_packing
+def test_default_model_packed_logits_equal_unpacked(paged):
+    from engine.model.files import ModelNotFoundError, resolve_model
+
+    try:
+        path = resolve_model(None).path
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model not available here: {exc}")
+    plain = load_model(path, CPU, torch.bfloat16, pack=False)
+    packed = load_model(path, CPU, torch.bfloat16)
+    for a, b in zip(_steps(paged, plain), _steps(paged, packed), strict=True):
+        assert torch.equal(a, b)
