@@ -4,17 +4,28 @@ For each level c, c requests with distinct prompts generate `--max-tokens` token
 Decode throughput counts the tokens generated after every request has its first token (so prefill is left
 out) over the time from then to the last token. The ratio to single-stream is what batching buys.
 
+`--baseline DIR` measures another checkout against this one (before / after a change): each round runs the
+benchmark once on each tree, in separate processes, alternating which goes first; it reports medians over
+rounds and the paired per-round ratio, with its spread (noise on a shared machine moves both of a pair).
+
     .venv/bin/python benchmarks/decode_bench.py                       # default model, 1 / 4 / 16
     .venv/bin/python benchmarks/decode_bench.py --concurrency 1,8,32 --max-tokens 256 --device cuda
+    git archive HEAD~1 | tar -x -C /tmp/before
+    .venv/bin/python benchmarks/decode_bench.py --baseline /tmp/before --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.sampling_params import SamplingParams
@@ -80,6 +91,37 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         engine.shutdown()
 
 
+def _run_tree(tree: Path, argv: list[str]) -> list[LevelResult]:
+    """This benchmark in a fresh process whose `engine` package comes from `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, __file__, *argv, "--json"]
+    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return [LevelResult(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def compare(baseline: Path, rounds: int, argv: list[str]) -> None:
+    """Paired rounds of baseline vs this checkout; prints medians and per-round ratios."""
+    ours = Path(__file__).resolve().parent.parent
+    runs: dict[str, list[list[LevelResult]]] = {"before": [], "after": []}
+    for i in range(rounds):
+        order = [("before", baseline), ("after", ours)]
+        for name, tree in order if i % 2 == 0 else order[::-1]:
+            runs[name].append(_run_tree(tree, argv))
+            print(
+                f"round {i + 1} {name}: " + ", ".join(f"{r.decode_tokens_per_s:.1f}" for r in runs[name][-1])
+            )
+    print(f"\nbefore {baseline}  after {ours}  ({rounds} rounds, medians; ratio = after / before per round)")
+    print(f"{'concurrency':>11} {'before tok/s':>13} {'after tok/s':>12} {'ratio':>6} {'min-max':>12}")
+    for j, level in enumerate(runs["after"][0]):
+        before = [r[j].decode_tokens_per_s for r in runs["before"]]
+        after = [r[j].decode_tokens_per_s for r in runs["after"]]
+        ratios = [a / b for a, b in zip(after, before, strict=True)]
+        print(
+            f"{level.concurrency:>11} {statistics.median(before):>13.1f} {statistics.median(after):>12.1f} "
+            f"{statistics.median(ratios):>5.2f}x {min(ratios):>5.2f}-{max(ratios):.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,8 +133,23 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--baseline", type=Path, help="another checkout to compare against, side by side")
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds with --baseline")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a --baseline round
     args = parser.parse_args()
+    if args.baseline is not None:
+        argv = _without(_without(sys.argv[1:], "--baseline"), "--rounds")
+        compare(args.baseline.resolve(), args.rounds, argv)
+        return
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     results = asyncio.run(main_async(args))
+    if args.json:
+        print(json.dumps([asdict(r) for r in results]))
+        return
     base = results[0].decode_tokens_per_s
     print(f"\n{'concurrency':>11} {'decode tok/s':>13} {'vs first':>9} {'ITL ms':>8} {'TTFT ms':>8}")
     for r in results:
@@ -100,6 +157,19 @@ def main() -> None:
             f"{r.concurrency:>11} {r.decode_tokens_per_s:>13.1f} {r.decode_tokens_per_s / base:>8.2f}x "
             f"{r.mean_itl_ms:>8.1f} {r.ttft_ms:>8.1f}"
         )
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """argv less `flag` and its value (either `--flag v` or `--flag=v`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":
