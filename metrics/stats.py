@@ -1,8 +1,9 @@
 """What happened in one engine step, as plain records.
 
 The engine fills a `SchedulerStats` and an `IterationStats` once per step (and once after a prefix-cache
-reset, with an empty `IterationStats`) and hands both to every stat logger (`StatLogger.record`). These records are the only thing that crosses from the engine to `metrics/`: the
-loggers never look at engine objects, so this package imports the stdlib and prometheus-client only.
+reset, with an empty `IterationStats`) and hands both to every stat logger (`StatLogger.record`). These
+records are the only thing that crosses from the engine to `metrics/`: the loggers never look at engine
+objects, so this package imports the stdlib and prometheus-client only.
 
 Units: token counts are tokens, times are seconds (floats from a monotonic clock), KV usage is a fraction 0..1.
 """

@@ -67,8 +67,9 @@ def render_chat(
 ) -> list[int]:
     kwargs = dict(chat_template_kwargs or {})
     if "chat_template" in kwargs:
-        # The template comes from the model. A request's own template would be an arbitrary Jinja program run
-        # on the event loop: one nested loop stalls every other request and grows memory without bound.
+        # The template comes from the model. A request's own template would be an arbitrary Jinja program: even
+        # in the worker thread it holds the GIL, so one nested loop stalls every request and grows memory
+        # without bound.
         raise bad_request("chat_template_kwargs must not replace the model's chat template.", _KWARGS)
     # These two are ours to set; letting chat_template_kwargs repeat them would raise a TypeError.
     kwargs.pop("add_generation_prompt", None)
