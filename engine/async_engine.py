@@ -45,6 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's
+    batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
     stat_loggers: list = field(default_factory=list)  # objects with record(SchedulerStats, IterationStats)
 
 
@@ -95,6 +96,7 @@ class AsyncEngine:
             num_blocks=config.num_blocks,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
+            batch_invariant=config.batch_invariant,
         )
         if config.max_model_len is not None and config.max_model_len > runner.max_model_len:
             raise ValueError(

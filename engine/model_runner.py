@@ -45,10 +45,12 @@ class ModelRunner:
         num_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
+        batch_invariant: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_model(Path(model_path), self.device, self.dtype)
+        self.batch_invariant = batch_invariant
+        self.model = load_model(Path(model_path), self.device, self.dtype, batch_invariant=batch_invariant)
         cfg = self.model.cfg
         self.config = cfg
         self.architecture = cfg.architecture
@@ -70,14 +72,22 @@ class ModelRunner:
         )
         # Flex pads each request's queries to 16 rows: bound the padded rows of the largest step.
         max_rows = max_num_batched_tokens + 16 * max_num_seqs
-        self.model.attn_backend = select_backend(self.device, num_blocks, block_size, max_rows)
+        self.model.attn_backend = select_backend(
+            self.device,
+            num_blocks,
+            block_size,
+            max_rows,
+            head_dim=cfg.head_dim,
+            batch_invariant=batch_invariant,
+        )
         self.sampler = Sampler(self.device, cfg.vocab_size, cfg.eos_token_ids)
         logger.info(
-            "model %s on %s (%s), attention backend %s",
+            "model %s on %s (%s), attention backend %s, batch invariance %s",
             self.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.attention_backend,
+            "on" if batch_invariant else "off",
         )
 
     @property

@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight and KV dtype: auto, float32, float16 or bfloat16 (default: auto)",
     )
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    s.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give every request the same tokens and logprobs whether its prefix was cached, how its prompt "
+        "was chunked and whatever shares its steps (default: on). --no-batch-invariant trades that for "
+        "speed: SDPA attention and unpadded matmuls (see README, 'Same answer, cached or not')",
+    )
     s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
     s.add_argument(
         "--api-key",
@@ -156,6 +164,7 @@ def engine_config(args: argparse.Namespace, stat_loggers: list[Any]) -> Any:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        batch_invariant=args.batch_invariant,
         stat_loggers=stat_loggers,
     )
 

@@ -1,8 +1,15 @@
-"""Suite-wide test plumbing: CUDA-marked tests skip cleanly on machines without an NVIDIA GPU."""
+"""Suite-wide test plumbing: CUDA-marked tests skip cleanly on machines without an NVIDIA GPU, and the report
+header names the CPU features that decide which kernels torch runs (batch-invariance results depend on them)."""
 
 from __future__ import annotations
 
 import pytest
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from engine.model.invariance import isa_summary
+
+    return f"brine kernels: {isa_summary()}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

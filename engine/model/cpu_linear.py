@@ -1,82 +1,110 @@
-"""bfloat16 linear layers on CPU with their weights pre-packed once into oneDNN's blocked layout.
+"""CPU linear layers on weights pre-packed once into oneDNN's blocked layout: fast, and batch-invariant.
 
-A bfloat16 `F.linear` on CPU hands oneDNN a row-major weight, which it reorders on every call; decode
-streams every weight once per step, so that work is paid per layer per token. Packing once at load time (what
-inductor's weight freezing does) lets the kernel stream the weights as stored: on this project's 2-core EPYC
-(AVX512-BF16) single matmuls of SmolLM2-135M's shapes ran 1.4-2.3x faster at 1 and 16 rows, a whole decode
-step ~1.4x faster (benchmarks/decode_bench.py --baseline), prefill a few percent. The result is
-bit-identical to `F.linear` (same oneDNN kernels, same accumulation order), which `pack_linears` checks on a
-probe before switching a model over.
+Speed: a bfloat16 `F.linear` on CPU hands oneDNN a row-major weight, which it reorders on every call; decode
+streams every weight once per step, so that work was paid per layer per token. Packing once at load time
+(what inductor's weight freezing does) lets the kernel stream the weights as stored: on this project's 2-core
+EPYC (AVX512-BF16) a whole bfloat16 decode step ran ~1.4x faster (benchmarks/decode_bench.py --baseline).
 
-Only bfloat16 on CPU: a float32 `F.linear` runs MKL's sgemm, whose rounding oneDNN does not reproduce, and
-CUDA has nothing to pack. A packed weight is an opaque `torch._mkldnn` tensor: the model cannot be moved or
-cast afterwards, which is why packing is the last step of loading. A tied output head gets its own packed
-copy of the embedding matrix (the lookup needs the plain one): 56 MB more for the default model.
+Invariance: a row's result must not depend on how many rows share the product (see `invariance`). The packed
+oneDNN kernels have that property once tiny products are padded to a few rows, in bfloat16 and float32 alike,
+while float32 `F.linear` (MKL) does not have it at all: so both dtypes run packed, and each layer pads its
+rows to the multiple that `invariance.row_multiple` measured for its shape on this machine. Packed results
+differ from `F.linear`'s in the last bits (another accumulation order); both agree with transformers within
+the model tests' tolerance.
+
+A packed weight is an opaque `torch._mkldnn` tensor: the model cannot be moved or cast afterwards, which is
+why packing is the last step of loading. A tied output head gets its own packed copy of the embedding matrix
+(the lookup needs the plain one): 56 MB more for the default model in bfloat16.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from engine.model.invariance import PROBE_ROWS, pad_rows, row_multiple
+
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+# The output head is probed on fewer rows (it is 49152 x 576 for the default model): it runs one row per
+# sampling sequence, and its kernel family is the one probed in full on the other layers.
+HEAD_PROBE_ROWS = 16
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where this torch build can run bfloat16 linears on packed oneDNN weights."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """True where this torch build can run linears of `dtype` on packed oneDNN weights."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
     try:
-        return (
-            hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise")
-            and bool(ops._is_mkldnn_bf16_supported())
-        )
+        if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+            return False
+        return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # pragma: no cover - builds without these ops
         return False
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W held packed; a drop-in for a bfloat16 `nn.Linear` at inference."""
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held packed; a drop-in for an `nn.Linear` at inference, on a flat [M, in] input.
+
+    `row_multiple`: inputs are padded with zero rows to a multiple of it (1 = never), so that every row
+    gets the bits it would get in any other batch (see `invariance`).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_multiple: int = 1) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # The batch-size hint only picks the initial blocking: the packed weight serves every batch size.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.bias = None if bias is None else bias.detach().contiguous()
+        self.row_multiple = row_multiple
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        m = x.shape[0]
+        y = _linear(pad_rows(x.contiguous(), self.row_multiple), self.packed, self.bias)
+        return y if y.shape[0] == m else y[:m]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed, rows%{self.row_multiple}"
 
 
-def _agrees(linear: PackedLinear, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    with torch.inference_mode():
-        return torch.equal(linear(probe), F.linear(probe, weight, bias))
+@functools.cache
+def probe_row_multiple(in_features: int, out_features: int, dtype: torch.dtype, max_rows: int) -> int:
+    """The row multiple that makes a packed [out, in] linear batch-invariant here (cached per shape)."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=g) * in_features**-0.5).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    rows = torch.randn(max_rows + 8, in_features, generator=g).to(dtype)
+    return row_multiple(
+        lambda x: _linear(x.contiguous(), packed, None), rows, f"packed linear {in_features}->{out_features}"
+    )
 
 
-def pack_linears(model: nn.Module, tied_head: torch.Tensor | None = None) -> PackedLinear | None:
-    """Replace every `nn.Linear` of `model` by a `PackedLinear` in place.
+def pack_linears(
+    model: nn.Module, tied_head: torch.Tensor | None = None, head: str = "lm_head", probe: bool = True
+) -> PackedLinear | None:
+    """Replace every `nn.Linear` of `model` by a `PackedLinear` in place, each padding its rows as its
+    shape's probe says. The submodule named `head` is probed on fewer rows (see HEAD_PROBE_ROWS).
 
     `tied_head`: the embedding matrix of a model whose output head reuses it; it gets a packed copy (the
     embedding lookup still needs the plain one), which is returned. Call only where `packing_supported`.
-    If the first packed layer does not reproduce `F.linear` exactly, nothing is changed and a warning says so.
+    `probe=False` (`--no-batch-invariant`): no probe and no padding.
     """
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    linears = [(p, n, c) for p, n, c in linears if isinstance(c, nn.Linear)]
-    if linears:
-        _, _, first = linears[0]
-        if not _agrees(PackedLinear(first.weight, first.bias), first.weight, first.bias):
-            logger.warning("packed oneDNN linear differs from F.linear on this machine: not packing")
-            return None
-    for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child.weight, child.bias))
-    return None if tied_head is None else PackedLinear(tied_head, None)
+    full = PROBE_ROWS[-1]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                out_f, in_f = child.weight.shape
+                rows = HEAD_PROBE_ROWS if name == head else full
+                multiple = probe_row_multiple(in_f, out_f, child.weight.dtype, rows) if probe else 1
+                setattr(parent, name, PackedLinear(child.weight, child.bias, multiple))
+    if tied_head is None:
+        return None
+    out_f, in_f = tied_head.shape
+    multiple = probe_row_multiple(in_f, out_f, tied_head.dtype, HEAD_PROBE_ROWS) if probe else 1
+    return PackedLinear(tied_head, None, multiple)

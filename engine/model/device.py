@@ -79,16 +79,35 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def select_backend(
-    device: torch.device, num_blocks: int, block_size: int, max_rows: int = 8192
-) -> AttentionBackend:
-    """FlexAttention on CUDA (reads K/V in place), the SDPA reference elsewhere.
+def default_backend(device: torch.device, head_dim: int, batch_invariant: bool = True) -> AttentionBackend:
+    """The attention a freshly loaded model starts with: tiled (batch-invariant) on CPU, SDPA otherwise."""
+    if batch_invariant and device.type == "cpu":
+        from engine.model.tiled_attention import TiledBackend
 
-    BRINE_ATTENTION_BACKEND=sdpa|flex overrides the choice (flex on CPU runs compiled, for testing).
+        return TiledBackend(device, head_dim)
+    return SdpaBackend(device)
+
+
+def select_backend(
+    device: torch.device,
+    num_blocks: int,
+    block_size: int,
+    max_rows: int = 8192,
+    *,
+    head_dim: int | None = None,
+    batch_invariant: bool = True,
+) -> AttentionBackend:
+    """FlexAttention on CUDA (reads K/V in place); on CPU the tiled backend, or SDPA without batch invariance.
+
+    BRINE_ATTENTION_BACKEND=tiled|sdpa|flex overrides the choice (flex on CPU runs compiled, for testing).
     """
     choice = os.environ.get("BRINE_ATTENTION_BACKEND", "auto").strip().lower()
-    if choice not in ("auto", "sdpa", "flex"):
-        raise ValueError(f"BRINE_ATTENTION_BACKEND must be auto, sdpa or flex, got {choice!r}")
+    if choice not in ("auto", "tiled", "sdpa", "flex"):
+        raise ValueError(f"BRINE_ATTENTION_BACKEND must be auto, tiled, sdpa or flex, got {choice!r}")
+    if choice == "tiled" or (choice == "auto" and device.type == "cpu" and batch_invariant):
+        from engine.model.tiled_attention import TiledBackend
+
+        return TiledBackend(device, head_dim)
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
         try:
             from engine.model.flex_attention import FlexBackend, cuda_kv_tile
@@ -101,7 +120,14 @@ def select_backend(
                 )
                 return SdpaBackend(device)
 
-            return FlexBackend(device, num_blocks, block_size, max_rows=max_rows, compile=True)
+            return FlexBackend(
+                device,
+                num_blocks,
+                block_size,
+                max_rows=max_rows,
+                compile=True,
+                batch_invariant=batch_invariant,
+            )
         except ImportError:  # torch without FlexAttention (< 2.5)
             if choice == "flex":
                 raise

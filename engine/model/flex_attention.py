@@ -14,6 +14,14 @@ whole KV cache viewed as a single sequence of `num_blocks * block_size` slots:
 
 The mask functions close over persistent buffers, so the compiled kernel is reused across steps. The host
 planning (`plan_tiles`) is plain numpy and is tested on CPU against a dense mask.
+
+Batch invariance (the default; see `invariance` and `tiled_attention`): every request, fresh ones included,
+goes through the one flex call, and every visible block is listed as partial, in logical order. The kernel
+then walks each query row's blocks in the same order with the same online-softmax steps whatever the tile's
+other rows are (a full/partial split would depend on them: a decode row and the same row inside a prefill
+tile would accumulate in different orders). The tile sizes are fixed (`BLOCK_M` = Q_BLOCK, `BLOCK_N` the key
+tile), and FORCE_USE_FLEX_ATTENTION rules out the split-KV decoding kernel, whose split count depends on the
+batch. `batch_invariant=False` keeps the faster split: SDPA for fresh prefills, unmasked full blocks.
 """
 
 from __future__ import annotations
@@ -57,8 +65,10 @@ def plan_tiles(
     is_causal: bool,
     window: int | None,
     q_block: int = Q_BLOCK,
+    split_full: bool = True,
 ) -> TilePlan:
-    """Block lists for a request whose queries sit at positions first_pos .. first_pos + query_len - 1."""
+    """Block lists for a request whose queries sit at positions first_pos .. first_pos + query_len - 1.
+    `split_full=False` lists every visible block as partial (the batch-invariant order)."""
     tiles = np.arange(-(-query_len // q_block))
     p0 = first_pos + tiles * q_block  # first and last query position of each tile
     p1 = np.minimum(p0 + q_block - 1, first_pos + query_len - 1)
@@ -70,6 +80,8 @@ def plan_tiles(
     if window is not None:
         visible &= hi[None, :] > (p0 - window)[:, None]
         full &= lo[None, :] > (p1 - window)[:, None]
+    if not split_full:
+        full = np.zeros_like(full)
     partial = visible & ~full
     phys = np.asarray(table[: len(j)], dtype=np.int64)
     used = partial.any(axis=0)
@@ -118,10 +130,12 @@ class FlexBackend:
         block_size: int,
         max_rows: int = 8192,
         compile: bool | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 
         self.device = device
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sdpa = SdpaBackend(device)
@@ -174,7 +188,10 @@ class FlexBackend:
 
     def plan(self, meta: AttentionMetadata) -> FlexPlan:
         fresh = [i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)) if n == c]
-        paged = [i for i in range(len(meta.query_lens)) if meta.query_lens[i] != meta.context_lens[i]]
+        if self.batch_invariant:
+            fresh = []  # one path for every request (see the module docstring)
+        fresh_set = set(fresh)
+        paged = [i for i in range(len(meta.query_lens)) if i not in fresh_set]
         sdpa = SdpaPlan([(meta.query_starts[i], meta.query_lens[i]) for i in fresh], [], [], meta.is_causal)
         if not paged:
             return FlexPlan(sdpa, 0, None, None, None, [], meta.is_causal, meta)
@@ -223,7 +240,16 @@ class FlexBackend:
         partial: list[np.ndarray] = []
         logical: dict[int, int] = {}
         for first, n, ctx, table in plan.requests:
-            tp = plan_tiles(first, n, ctx, table, self.block_size, plan.is_causal, window)
+            tp = plan_tiles(
+                first,
+                n,
+                ctx,
+                table,
+                self.block_size,
+                plan.is_causal,
+                window,
+                split_full=not self.batch_invariant,
+            )
             full += tp.full
             partial += tp.partial
             for phys, j in tp.partial_logical.items():

@@ -116,6 +116,16 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu's math (float32, one rounding to x's dtype) from ops that round alike at every position.
+
+    F.silu's CPU kernel computes the last elements of each thread's share with scalar code, whose exp rounds
+    differently from the vectorised one, and where the shares split depends on the number of tokens: so a
+    token's activation could depend on the batch. torch.exp and IEEE division are the same everywhere."""
+    xf = x.float()
+    return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -124,7 +134,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

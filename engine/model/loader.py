@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.attention import SdpaBackend
 from engine.model.config import ModelConfig, load_config
 from engine.model.cpu_linear import pack_linears, packing_supported
+from engine.model.device import default_backend
 from engine.model.llama import LlamaForCausalLM
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -68,9 +68,14 @@ def _fused_module(ours: str) -> str | None:
 
 
 def load_model(
-    model_dir: Path | str, device: torch.device, dtype: torch.dtype, pack: bool = True
+    model_dir: Path | str,
+    device: torch.device,
+    dtype: torch.dtype,
+    pack: bool = True,
+    batch_invariant: bool = True,
 ) -> LlamaForCausalLM:
-    """`pack`: on CPU in bfloat16, pack the linear weights for oneDNN (see cpu_linear; same results)."""
+    """`pack`: on CPU, pack the linear weights for oneDNN (see cpu_linear). `batch_invariant`: pad each
+    linear's rows as this machine's probe says, and attend with the tiled backend (see invariance)."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     with torch.device("meta"):
@@ -105,11 +110,11 @@ def load_model(
         if filled.get(ours, 0) != (len(shard_sizes[fused]) if fused else 1):
             raise ValueError(f"checkpoint in {model_dir} is missing weights for {ours!r}")
     model.rotary.build(device)
-    # The model is built before its device is known: give it a reference backend on that device (the runner
-    # replaces it with select_backend's choice).
-    model.attn_backend = SdpaBackend(device)
+    # The model is built before its device is known: give it the default backend for that device (the runner
+    # replaces it with select_backend's choice, which knows the KV pool).
+    model.attn_backend = default_backend(device, cfg.head_dim, batch_invariant)
     model.eval()
     if pack and packing_supported(device, dtype):
         tied = model.embed_tokens.weight if model.lm_head is None else None
-        model.packed_lm_head = pack_linears(model, tied_head=tied)
+        model.packed_lm_head = pack_linears(model, tied_head=tied, probe=batch_invariant)
     return model

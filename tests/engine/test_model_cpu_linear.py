@@ -1,4 +1,5 @@
-"""bfloat16 CPU linears on pre-packed oneDNN weights: same logits as the plain `F.linear` model, bit for bit."""
+"""CPU linears on pre-packed oneDNN weights (bfloat16 and float32): the logits of the plain `F.linear` model up
+to rounding, each layer padding its rows as this machine's probe says, and the probe itself."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model import cpu_linear
+from engine.model import invariance
 from engine.model.cpu_linear import PackedLinear, packing_supported
+from engine.model.invariance import row_multiple
 from engine.model.loader import load_model
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(
     not packing_supported(CPU, torch.bfloat16), reason="this torch/CPU cannot run packed bfloat16 linears"
 )
+# Packed and plain kernels accumulate in different orders: bfloat16 logits of the tiny models differ by a
+# few bfloat16 ulps of the activations, float32 ones by float32 rounding.
+TOLERANCE = {torch.bfloat16: 0.1, torch.float32: 1e-4}
 
 
 def _steps(paged, model) -> list[torch.Tensor]:
@@ -53,39 +58,48 @@ def _with_random_biases(src: Path, dest: Path) -> Path:
 
 
 @needs_packing
-def test_packed_model_matches_unpacked_bit_for_bit(arch, tiny_model, paged, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_packed_model_matches_unpacked(arch, tiny_model, paged, tmp_path, dtype):
     path = _with_random_biases(tiny_model(arch).path, tmp_path / arch)
-    plain = load_model(path, CPU, torch.bfloat16, pack=False)
-    packed = load_model(path, CPU, torch.bfloat16)
+    plain = load_model(path, CPU, dtype, pack=False)
+    packed = load_model(path, CPU, dtype)
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     # qkv, o, gate_up, down per layer, and the head (its own, or a packed copy of a tied embedding)
     assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * packed.cfg.num_layers + 1
     assert (packed.packed_lm_head is not None) == (packed.lm_head is None)  # tied heads get a packed copy
     for a, b in zip(_steps(paged, plain), _steps(paged, packed), strict=True):
-        assert torch.equal(a, b)
+        assert torch.allclose(a, b, atol=TOLERANCE[dtype], rtol=0), (a - b).abs().max()
 
 
-def test_float32_and_non_cpu_are_not_packed(tiny_model):
-    assert not packing_supported(CPU, torch.float32)
+def test_float16_and_non_cpu_are_not_packed(tiny_model):
+    assert packing_supported(CPU, torch.float32) == torch.backends.mkldnn.is_available()
+    assert not packing_supported(CPU, torch.float16)
     assert not packing_supported(torch.device("cuda"), torch.bfloat16)
-    model = load_model(tiny_model("qwen2").path, CPU, torch.float32)
+    model = load_model(tiny_model("qwen2").path, CPU, torch.float16)
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert model.packed_lm_head is None
 
 
-@needs_packing
-def test_nothing_is_packed_when_the_probe_disagrees(tiny_model, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_linear, "_agrees", lambda *args: False)
-    with caplog.at_level(logging.WARNING, logger=cpu_linear.__name__):
-        model = load_model(tiny_model("llama").path, CPU, torch.bfloat16)
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
-    assert model.packed_lm_head is None
-    assert "not packing" in caplog.text
+def test_the_probe_finds_the_row_multiple_a_kernel_needs():
+    rows = torch.randn(320, 8)
+
+    def pads_to_four(x: torch.Tensor) -> torch.Tensor:  # rounds differently unless M is a multiple of 4
+        return x * 3 if x.shape[0] % 4 == 0 else x * 3 + 1e-3
+
+    assert row_multiple(lambda x: x * 3, rows, "exact") == 1
+    assert row_multiple(pads_to_four, rows, "needs 4") == 4
+
+
+def test_the_probe_warns_where_no_padding_helps(caplog):
+    with caplog.at_level(logging.WARNING, logger=invariance.__name__):
+        got = row_multiple(lambda x: x * x.shape[0], torch.randn(320, 8), "depends on M")
+    assert got == invariance.ROW_MULTIPLES[-1]
+    assert "not guaranteed" in caplog.text and "cpu_capability" in caplog.text
 
 
 @pytest.mark.slow
 @needs_packing
-def test_default_model_packed_logits_equal_unpacked(paged):
+def test_default_model_packed_logits_match_unpacked(paged):
     from engine.model.files import ModelNotFoundError, resolve_model
 
     try:
@@ -95,4 +109,4 @@ def test_default_model_packed_logits_equal_unpacked(paged):
     plain = load_model(path, CPU, torch.bfloat16, pack=False)
     packed = load_model(path, CPU, torch.bfloat16)
     for a, b in zip(_steps(paged, plain), _steps(paged, packed), strict=True):
-        assert torch.equal(a, b)
+        assert torch.allclose(a, b, atol=0.5, rtol=0), (a - b).abs().max()

@@ -1,0 +1,95 @@
+"""Batch invariance: which row counts make this machine's matmul kernels give every row the same bits.
+
+Brine promises that a request's tokens and logprobs do not depend on what shares its step (DESIGN.md, "Same
+answer, cached or not"). The model computes each row of a step with a matmul whose row count M changes with
+the batch, and CPU GEMM libraries pick kernels by M. Measured on this project's machines (2026-11, torch 2.13):
+
+- oneDNN with pre-packed weights (`cpu_linear.PackedLinear`), AMD EPYC with AVX512-BF16: in bfloat16 and
+  float32, every row count from 2 to 2,100 gives each row the same bits, and so does a row's position in the
+  product; M = 1 takes a matrix-vector path that rounds differently.
+- The same on an AMX Xeon, in bfloat16 (M from 1 to 299).
+- Plain `F.linear` in float32 (MKL) gives a row different bits depending on its position in the product:
+  no padding rule fixes that, which is why the model runs on packed weights in both dtypes.
+- `torch.matmul` on float32 batches (attention): M in 1-3, 5-7 and 9-11 round differently from the rest;
+  multiples of 4 and everything from 12 up agree.
+
+Rather than trusting a table, each kernel is probed once per process on the shapes the model uses: every row
+count from 1 to 40 and a spread of larger ones, each compared row by row with one large product, at two
+offsets. The probe yields the smallest row multiple (1, 2, 4, 8 or 16) whose padded products agree
+everywhere; callers pad their rows up to it (pad rows never touch real ones: a row of a matmul reads only
+itself). Where no multiple agrees, the largest is used and a warning says invariance is not guaranteed here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ROW_MULTIPLES = (1, 2, 4, 8, 16)
+# Row counts probed: all small ones (where kernels switch) and a spread of larger ones around powers of two.
+PROBE_ROWS = (*range(1, 41), 47, 48, 63, 64, 65, 96, 127, 128, 129, 200, 255, 256, 257, 300)
+
+
+def row_multiple(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, what: str) -> int:
+    """Smallest row multiple m for which `fn` (a row-wise map [M, ...] -> [M, ...]) gives every row the
+    same bits whatever M is, once M is padded up to a multiple of m. `rows`: a sample input; row counts
+    up to its length (less the offset) are probed."""
+    with torch.inference_mode():
+        ref = fn(rows)
+        bad: set[int] = set()
+        for m in PROBE_ROWS:
+            for offset in (0, 5):
+                if offset + m > rows.shape[0]:
+                    continue
+                if not torch.equal(fn(rows[offset : offset + m]), ref[offset : offset + m]):
+                    bad.add(m)
+    for multiple in ROW_MULTIPLES:
+        if not any(m % multiple == 0 for m in bad):
+            return multiple
+    logger.warning(
+        "%s: batch invariance is not guaranteed on this CPU: no row padding makes the kernel agree "
+        "(differing row counts %s); "
+        "a request's results may depend on what shares its step here (%s)",
+        what,
+        sorted(bad)[:8],
+        isa_summary(),
+    )
+    return ROW_MULTIPLES[-1]
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of `multiple` rows (x itself when it already is one)."""
+    extra = -x.shape[0] % multiple
+    if not extra:
+        return x
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
+@functools.cache
+def isa_summary() -> str:
+    """One line naming what decides the kernels: torch's CPU capability, AMX, AVX512-BF16, threads."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return (
+        f"torch {torch.__version__} cpu_capability={torch.backends.cpu.get_cpu_capability()} "
+        f"amx={'amx_bf16' in flags or 'amx_tile' in flags} avx512_bf16={'avx512_bf16' in flags} "
+        f"threads={torch.get_num_threads()} cpu={model!r}"
+    )

@@ -1,0 +1,217 @@
+"""Batch-invariant paged attention, the CPU default: one path for prefill, chunks after a prefix hit, and decodes.
+
+Every query row attends over its request's cache in fixed tiles of `KV_TILE` key positions, counted from
+position 0, whatever the query count, the batch, the padding or how the prompt was chunked:
+
+    scores   S_t = q . K_t^T * scale         one [M, D] x [D, KV_TILE] product per tile (float32)
+    max      m   = max over every visible score of the row (exact: max does not round)
+    weights  P_t = exp(S_t - m), masked keys give exactly 0
+    sums     l_t = sum_k P_t,  O_t = P_t @ V_t   (a [M, KV_TILE] x [KV_TILE, D] product per tile)
+    output   sum_t O_t / sum_t l_t,  the sums over t a fixed pairwise tree on the tile index
+
+The row's own tiles sit at the same tree positions in every batch, and the tiles a batch adds past them
+(another request's longer context, a later query of the same chunk) are exact zeros, which leave a pairwise
+tree's result unchanged: so a row's bits depend only on its own query and context. The products' row counts
+still change with the batch; they are padded to the multiple that `invariance.row_multiple` measured for this
+CPU's matmul. (SDPA, the previous default, ran three differently-rounding paths and is kept for
+`--no-batch-invariant`.)
+
+Decodes are grouped by their tile count's power of two (padding stays under 2x); longer chunks run alone in
+slices of `QUERY_SLICE` tokens, which bounds the float32 score buffer and does not change any result.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import AttentionMetadata
+from engine.model.invariance import row_multiple
+from engine.model.transfer import index_tensor, to_device
+
+KV_TILE = 64  # key positions per tile; part of the numerics (changing it changes results, not invariance)
+QUERY_SLICE = 256  # query tokens per product of a long chunk (memory only)
+
+
+def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` in a fixed pairwise order: as if padded with zeros to a power of two P, then halved
+    (element i + element i + P/2) until one is left. Trailing zeros never change the result."""
+    n = x.shape[dim]
+    while n > 1:
+        half = 1 << ((n - 1).bit_length() - 1)  # P / 2 for the next power of two P >= n
+        head = x.narrow(dim, 0, half).clone()
+        head.narrow(dim, 0, n - half).add_(x.narrow(dim, half, n - half))
+        x, n = head, half
+    return x.squeeze(dim)
+
+
+def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q: [BH, 1, M, D], k: [BH, T, KV_TILE, D] float32 -> [BH, T, M, KV_TILE]."""
+    return torch.matmul(q, k.transpose(-1, -2))
+
+
+def weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p: [BH, T, M, KV_TILE], v: [BH, T, KV_TILE, D] float32 -> [BH, T, M, D]."""
+    return torch.matmul(p, v)
+
+
+@functools.cache
+def attention_row_multiple(head_dim: int) -> int:
+    """Row multiple that makes both attention products batch-invariant on this machine (float32)."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, KV_TILE, head_dim, generator=g)
+    v = torch.randn(1, 2, KV_TILE, head_dim, generator=g)
+    rows = 308
+
+    def qk(x: torch.Tensor) -> torch.Tensor:  # [M, D] -> [M, 2, KV_TILE]
+        return scores(x[None, None], k)[0].transpose(0, 1)
+
+    def pv(x: torch.Tensor) -> torch.Tensor:  # [M, 2 * KV_TILE] -> [M, 2, D]
+        return weighted(x.view(-1, 2, KV_TILE).transpose(0, 1)[None], v)[0].transpose(0, 1)
+
+    return max(
+        row_multiple(qk, torch.randn(rows, head_dim, generator=g), f"attention scores, head_dim {head_dim}"),
+        row_multiple(
+            pv, torch.rand(rows, 2 * KV_TILE, generator=g), f"attention values, head_dim {head_dim}"
+        ),
+    )
+
+
+@dataclass(slots=True)
+class _Unit:
+    """Query rows that attend in one product: B requests with n query tokens each, over T key tiles."""
+
+    token_idx: torch.Tensor  # [B * n] flat batch index of each query token
+    blocks: torch.Tensor  # [B, ceil(T * KV_TILE / block_size)] block ids, padded with block 0 (masked)
+    num_tiles: int
+    n: int
+    q_pos: torch.Tensor  # [B, n] host: position of each query
+    ctx: torch.Tensor  # [B, 1] host: context length
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, T, Mp, KV_TILE]
+
+
+@dataclass(slots=True)
+class TiledPlan:
+    units: list[_Unit]
+    is_causal: bool
+
+
+class TiledBackend:
+    """Batch-invariant paged attention (see the module docstring). Works on any device; CPU's default."""
+
+    name = "tiled"
+
+    def __init__(self, device: torch.device, head_dim: int | None = None) -> None:
+        self.device = device
+        self.row_multiple = attention_row_multiple(head_dim) if head_dim else 16
+
+    def plan(self, meta: AttentionMetadata) -> TiledPlan:
+        units: list[_Unit] = []
+        decodes: dict[int, list[int]] = {}  # power of two of the tile count -> request indices
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+            if n == 1:
+                tiles = -(-ctx // KV_TILE)
+                decodes.setdefault(1 << (tiles - 1).bit_length(), []).append(i)
+                continue
+            first, start = ctx - n, meta.query_starts[i]
+            for a in range(0, n, QUERY_SLICE):
+                b = min(n, a + QUERY_SLICE)
+                last_key = first + b if meta.is_causal else ctx  # keys the slice may see: [0, last_key)
+                units.append(
+                    self._unit(meta, [i], list(range(start + a, start + b)), [first + a], b - a, last_key)
+                )
+        for _, rows in sorted(decodes.items()):
+            longest = max(meta.context_lens[i] for i in rows)
+            idx = [meta.query_starts[i] for i in rows]
+            units.append(self._unit(meta, rows, idx, [meta.context_lens[i] - 1 for i in rows], 1, longest))
+        return TiledPlan(units, meta.is_causal)
+
+    def _unit(
+        self, meta: AttentionMetadata, reqs: list[int], token_idx: list[int], q0: list[int], n: int, keys: int
+    ) -> _Unit:
+        tiles = -(-keys // KV_TILE)
+        bs = meta.block_size
+        nb = -(-(tiles * KV_TILE) // bs)
+        table = [(meta.block_tables[i][:nb] + [0] * nb)[:nb] for i in reqs]
+        blocks = index_tensor([b for t in table for b in t], self.device).view(len(reqs), nb)
+        q_pos = torch.tensor(q0, dtype=torch.int64)[:, None] + torch.arange(n)[None, :]
+        ctx = torch.tensor([meta.context_lens[i] for i in reqs], dtype=torch.int64)[:, None]
+        return _Unit(index_tensor(token_idx, self.device), blocks, tiles, n, q_pos, ctx)
+
+    def _mask(self, unit: _Unit, group: int, window: int | None, is_causal: bool) -> torch.Tensor:
+        """[B, 1, T, Mp, KV_TILE] bool, True where a row may see a key. Rows are (token, head in group)."""
+        if window not in unit.masks:
+            k_pos = torch.arange(unit.num_tiles * KV_TILE).view(1, 1, -1)  # [1, 1, L]
+            q_pos = unit.q_pos[:, :, None]  # [B, n, 1]
+            allowed = (k_pos <= q_pos) if is_causal else (k_pos < unit.ctx[:, :, None])
+            if window is not None:
+                allowed &= k_pos > q_pos - window
+            b = allowed.shape[0]
+            rows = allowed[:, :, None, :].expand(-1, -1, group, -1).reshape(b, unit.n * group, -1)
+            # Pad rows see key 0 only, so that they stay finite; their outputs are dropped.
+            pad = torch.zeros(b, -(unit.n * group) % self.row_multiple, rows.shape[-1], dtype=torch.bool)
+            pad[..., 0] = True
+            rows = torch.cat([rows, pad], dim=1)  # [B, Mp, L]
+            tiled = rows.view(b, rows.shape[1], unit.num_tiles, KV_TILE).transpose(1, 2)
+            unit.masks[window] = to_device(tiled.contiguous(), self.device)[:, None]
+        return unit.masks[window]
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, H, D]
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        plan: TiledPlan,
+        sliding_window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for unit in plan.units:
+            o = self._attend(q, k_cache, v_cache, unit, plan.is_causal, sliding_window, scale)
+            out.index_copy_(0, unit.token_idx, o.to(out.dtype))
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        unit: _Unit,
+        is_causal: bool,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:  # [B * n, H, D] float32
+        _, _, hkv, d = k_cache.shape
+        h = q.shape[1]
+        group, (b, nb), t, n = h // hkv, unit.blocks.shape, unit.num_tiles, unit.n
+        # Queries: [B, n, Hkv, g, D] -> rows (token, head in group) per kv head, padded: [B * Hkv, 1, Mp, D]
+        qu = q.index_select(0, unit.token_idx).view(b, n, hkv, group, d).permute(0, 2, 1, 3, 4)
+        qu = qu.reshape(b * hkv, n * group, d).float()
+        m_rows = n * group
+        qu = F.pad(qu, (0, 0, 0, -m_rows % self.row_multiple))
+        mp = qu.shape[1]
+        # Keys and values of the first T * KV_TILE positions: [B * Hkv, T, KV_TILE, D]
+        flat = unit.blocks.view(-1)
+
+        def tiles(cache: torch.Tensor) -> torch.Tensor:
+            x = cache.index_select(0, flat).view(b, nb * cache.shape[1], hkv, d)[:, : t * KV_TILE]
+            return (
+                x.view(b, t, KV_TILE, hkv, d).permute(0, 3, 1, 2, 4).float().reshape(b * hkv, t, KV_TILE, d)
+            )
+
+        s = scores(qu[:, None], tiles(k_cache)).mul_(scale)  # [B * Hkv, T, Mp, KV_TILE]
+        s = s.view(b, hkv, t, mp, KV_TILE).masked_fill_(
+            ~self._mask(unit, group, window, is_causal), -torch.inf
+        )
+        s = s.view(b * hkv, t, mp, KV_TILE)
+        m = s.amax(dim=3).amax(dim=1)  # [B * Hkv, Mp]
+        p = s.sub_(m[:, None, :, None]).exp_()
+        o = tree_sum(weighted(p, tiles(v_cache)), 1)  # [B * Hkv, Mp, D]
+        o = o / tree_sum(p.sum(-1), 1)[..., None]
+        o = o[:, :m_rows].reshape(b, hkv, n, group, d).permute(0, 2, 1, 3, 4)
+        return o.reshape(b * n, h, d)
