@@ -1,0 +1,163 @@
+"""Same answer, cached or not: a property test on the real default model, in float32 and bfloat16.
+
+Hypothesis draws sets of prompts that share random prefixes, an arrival order and stagger, a token budget
+small enough to chunk prompts, a KV pool tight enough to preempt, prefix caching on or off, and greedy or
+seeded sampling with logprobs. Every request's token ids and logprobs (chosen and top-2) must be exactly
+those of the same request run alone on a cold engine. Brine is compared with itself, never with golden
+tokens, so this holds on every CPU; the CPU is named in the report header and in every failure message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.async_engine import AsyncEngine, EngineConfig
+from engine.model.invariance import isa_summary
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+MAX_TOKENS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Req:
+    prompt: tuple[int, ...]
+    seed: int | None  # None: greedy
+
+    def params(self) -> SamplingParams:
+        if self.seed is None:
+            return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2, ignore_eos=True)
+        return SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.9, seed=self.seed, logprobs=2, ignore_eos=True
+        )
+
+
+Answer = tuple[tuple[int, ...], tuple[tuple[float, tuple[tuple[int, float], ...]], ...]]
+
+
+class Preemptions:
+    """A stat logger counting preemptions, so a test can say whether its pool was tight enough."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.count += scheduler_stats.num_preemptions
+
+
+def engine(dtype: str, **kw) -> AsyncEngine:
+    return AsyncEngine.from_config(EngineConfig(device="cpu", dtype=dtype, **kw))
+
+
+async def answer(eng: AsyncEngine, req: Req, delay: float = 0.0) -> Answer:
+    await asyncio.sleep(delay)
+    tokens: list[int] = []
+    lps: list[tuple[float, tuple[tuple[int, float], ...]]] = []
+    async for out in eng.generate(list(req.prompt), req.params()):
+        for c in out.outputs:
+            tokens += c.token_ids
+            lps += [(lp.logprob, tuple(lp.top)) for lp in c.logprobs or []]
+    return tuple(tokens), tuple(lps)
+
+
+class Reference:
+    """Each request alone on a cold engine (no prefix caching, the default budget), memoised per dtype."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, AsyncEngine] = {}
+        self.answers: dict[tuple[str, Req], Answer] = {}
+
+    def get(self, dtype: str, req: Req) -> Answer:
+        if (dtype, req) not in self.answers:
+            if dtype not in self.engines:
+                self.engines[dtype] = engine(dtype, num_blocks=64, enable_prefix_caching=False)
+            self.answers[dtype, req] = asyncio.run(answer(self.engines[dtype], req))
+        return self.answers[dtype, req]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = Reference()
+    yield ref
+    for eng in ref.engines.values():
+        assert eng.num_used_blocks() == 0
+        eng.shutdown()
+
+
+@st.composite
+def workloads(draw):
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    bases = [[rng.randrange(100, 49000) for _ in range(90)] for _ in range(2)]
+    reqs = []
+    for _ in range(draw(st.integers(2, 5))):
+        base = bases[draw(st.integers(0, 1))]
+        shared = draw(st.sampled_from([0, 5, 16, 31, 48, 64, 90]))  # block-aligned and not
+        tail = [rng.randrange(100, 49000) for _ in range(draw(st.integers(1, 20)))]
+        seed = draw(st.one_of(st.none(), st.integers(0, 1000)))
+        reqs.append(Req(tuple(base[:shared] + tail), seed))
+    delays = [draw(st.sampled_from([0.0, 0.0, 0.01, 0.05])) for _ in reqs]
+    budget = draw(st.sampled_from([16, 24, 40, 64, 2048]))
+    longest = max(-(-(len(r.prompt) + MAX_TOKENS) // BLOCK) for r in reqs)
+    blocks = draw(st.integers(longest + 1, longest + 12))  # tight: several requests compete, some preempt
+    caching = draw(st.booleans())
+    return reqs, delays, budget, blocks, caching
+
+
+def check(dtype: str, reference: Reference, workload) -> int:
+    reqs, delays, budget, blocks, caching = workload
+    stats = Preemptions()
+    eng = engine(
+        dtype,
+        num_blocks=blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=4,
+        enable_prefix_caching=caching,
+        stat_loggers=[stats],
+    )
+    try:
+
+        async def all_at_once() -> list[Answer]:
+            return await asyncio.gather(*(answer(eng, r, d) for r, d in zip(reqs, delays, strict=True)))
+
+        got = asyncio.run(all_at_once())
+        assert eng.num_used_blocks() == 0
+    finally:
+        eng.shutdown()
+    for i, (req, ans) in enumerate(zip(reqs, got, strict=True)):
+        alone = reference.get(dtype, req)
+        assert ans == alone, (
+            f"request {i} of {len(reqs)} ({len(req.prompt)} prompt tokens, seed {req.seed}) differs from its "
+            f"cold solo run: budget {budget}, {blocks} blocks, caching {caching}, {stats.count} preemptions; "
+            f"{isa_summary()}"
+        )
+    return stats.count
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=workloads())
+def test_every_request_answers_as_if_alone_and_cold(dtype, reference, workload):
+    print(isa_summary())
+    check(dtype, reference, workload)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pool_that_forces_preemption_changes_nothing(dtype, reference):
+    """One fixed workload that certainly preempts and chunks: five requests sharing a 48-token prefix, a
+    pool that holds one and a half of them, 24-token steps."""
+    rng = random.Random(7)
+    base = [rng.randrange(100, 49000) for _ in range(48)]
+    reqs = [
+        Req(tuple(base + [rng.randrange(100, 49000) for _ in range(9 + i)]), i if i % 2 else None)
+        for i in range(5)
+    ]
+    preemptions = check(dtype, reference, (reqs, [0.0] * 5, 24, 6, False))
+    assert preemptions > 0, "the pool was meant to force preemption"
