@@ -76,6 +76,7 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         num_blocks=args.num_blocks,
         max_num_seqs=max(levels),
         enable_prefix_caching=False,  # measure decode, not cache hits
+        **({} if args.batch_invariant else {"batch_invariant": False}),  # a --baseline tree may predate it
     )
     t0 = time.perf_counter()
     engine = AsyncEngine.from_config(config)
@@ -134,6 +135,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-batch-invariant measures the escape hatch's kernels (SDPA, unpadded matmuls)",
+    )
     parser.add_argument("--baseline", type=Path, help="another checkout to compare against, side by side")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds with --baseline")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a --baseline round

@@ -5,7 +5,8 @@ weights and the same random prompt, and the best of `--repeats` runs is reported
 processes on a shared machine only ever adds time; `--stat median` reports medians instead).
 
 - Ours: `ModelRunner.execute` of one request holding the whole prompt (paged KV writes, logits for the last
-  token, sampling included).
+  token, sampling included), batch-invariant (the default) and with `--no-batch-invariant`'s kernels, so the
+  line shows what invariance costs.
 - Theirs, under `inference_mode`: the plain forward `model(input_ids)` (logits for every position), and the
   stricter `model(input_ids, logits_to_keep=1)` (what `generate` runs for a prompt: like ours, it computes
   logits for the last token only).
@@ -72,13 +73,17 @@ def bench_dtype(
     max_len = max(lengths)
     block_size = 16
     num_blocks = -(-max(max_len, 128 + decode_steps) // block_size) + 1
-    ours = ModelRunner(
-        path,
-        device=str(device),
-        dtype=dtype_name,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_num_batched_tokens=max_len,
+    ours, fast = (
+        ModelRunner(
+            path,
+            device=str(device),
+            dtype=dtype_name,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=max_len,
+            batch_invariant=invariant,
+        )
+        for invariant in (True, False)
     )
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     blocks = list(range(num_blocks - 1, -1, -1))  # non-contiguous order, as in serving
@@ -90,6 +95,7 @@ def bench_dtype(
         ids = torch.tensor([prompt], device=device)
         runs = {
             "brine": functools.partial(ours.execute, _request(prompt, 0, blocks)),
+            "brine_fast": functools.partial(fast.execute, _request(prompt, 0, blocks)),
             "hf": functools.partial(theirs, ids),  # plain forward: logits for every position
             "hf_keep1": functools.partial(theirs, ids, logits_to_keep=1),
         }
@@ -102,12 +108,15 @@ def bench_dtype(
                     times[key].append(_timed(fn, device))
         rate = {k: length / stat(v) for k, v in times.items()}
         lines.append(
-            f"prefill {length:5d} tok  {name:9s} brine {rate['brine']:8.1f} tok/s | transformers forward "
+            f"prefill {length:5d} tok  {name:9s} brine {rate['brine']:8.1f} tok/s | --no-batch-invariant "
+            f"{rate['brine_fast']:8.1f} tok/s (invariant/fast {rate['brine'] / rate['brine_fast']:4.2f}) | "
+            f"transformers forward "
             f"{rate['hf']:8.1f} tok/s (ratio {rate['brine'] / rate['hf']:4.2f}) | transformers logits_to_keep=1 "
             f"{rate['hf_keep1']:8.1f} tok/s (ratio {rate['brine'] / rate['hf_keep1']:4.2f})"
         )
     if decode_steps:
         lines.append(_bench_decode(ours, theirs, device, name, blocks, decode_steps, repeats, stat))
+        lines.append(_bench_decode(fast, theirs, device, name + " fast", blocks, decode_steps, repeats, stat))
     return lines
 
 

@@ -69,16 +69,16 @@ def test_tree_sum_ignores_trailing_zeros_and_matches_a_plain_sum():
 class _Cache:
     """A random paged KV cache with shuffled block tables, and a driver for the tiled backend."""
 
-    def __init__(self, dtype: torch.dtype, window: int | None = None, heads=(6, 2), dim=32, bs=16):
+    def __init__(self, dtype, window=None, heads=(6, 2), dim=32, bs=16, device=CPU, backend=None):
         self.h, self.hkv = heads
-        self.d, self.bs, self.window, self.dtype = dim, bs, window, dtype
+        self.d, self.bs, self.window, self.dtype, self.device = dim, bs, window, dtype, device
         g = torch.Generator().manual_seed(3)
-        self.k = torch.randn(128, bs, self.hkv, dim, generator=g).to(dtype)
-        self.v = torch.randn(128, bs, self.hkv, dim, generator=g).to(dtype)
+        self.k = torch.randn(128, bs, self.hkv, dim, generator=g).to(device, dtype)
+        self.v = torch.randn(128, bs, self.hkv, dim, generator=g).to(device, dtype)
         blocks = list(range(1, 128))
         random.Random(4).shuffle(blocks)
         self.free = blocks
-        self.backend = TiledBackend(CPU, dim)
+        self.backend = backend or TiledBackend(device, dim)
 
     def table(self, n: int) -> list[int]:
         out, self.free = self.free[: -(-n // self.bs)], self.free[-(-n // self.bs) :]
@@ -87,7 +87,7 @@ class _Cache:
     def queries(self, seq: int, length: int) -> torch.Tensor:
         """The queries of sequence `seq` at positions 0..length-1: a pure function of (seq, position)."""
         g = torch.Generator().manual_seed(100 + seq)
-        return torch.randn(length, self.h, self.d, generator=g).to(self.dtype)
+        return torch.randn(length, self.h, self.d, generator=g).to(self.device, self.dtype)
 
     def run(self, reqs: list[tuple[int, int, int, list[int]]]) -> list[torch.Tensor]:
         """reqs: (seq, first query position, query count, table) -> each request's attention output."""
@@ -97,7 +97,7 @@ class _Cache:
             context_lens=[a + n for _, a, n, _ in reqs],
             block_tables=[t for *_, t in reqs],
             block_size=self.bs,
-            slot_mapping=torch.zeros(0, dtype=torch.int64),
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
         )
         plan = self.backend.plan(meta)
         with torch.inference_mode():
@@ -108,7 +108,23 @@ class _Cache:
 @pytest.mark.parametrize("window", [None, 40], ids=["causal", "window40"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_rows_are_the_same_alone_chunked_batched_and_padded(dtype, window):
-    c = _Cache(dtype, window)
+    _check_attention_invariance(_Cache(dtype, window))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 40], ids=["causal", "window40"])
+def test_flex_attention_on_cuda_is_batch_invariant(window):
+    """The CUDA path (FlexAttention, compiled by Triton): same property, fixed tiles, no split-KV."""
+    from engine.model.flex_attention import FlexBackend
+
+    cuda = torch.device("cuda")
+    flex = FlexBackend(cuda, 128, 16, max_rows=2048, compile=True)
+    c = _Cache(torch.bfloat16, window, dim=64, device=cuda, backend=flex)
+    _check_attention_invariance(c)
+    assert flex.failed is None and flex.succeeded
+
+
+def _check_attention_invariance(c: _Cache) -> None:
     length = 300  # several key tiles, a partial last one
     table = c.table(length)
     alone = torch.cat(c.run([(0, 0, length, table)]))  # a fresh prefill of the whole prompt
@@ -141,3 +157,14 @@ def test_attention_matches_a_float64_softmax():
     ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert KV_TILE < 130  # the comparison spans more than one key tile
+
+
+@pytest.mark.slow
+def test_flex_attention_logic_is_batch_invariant_compiled_on_cpu():
+    """The CUDA path's planning (one flex call for every request, every block masked-partial in logical
+    order), compiled by inductor for CPU, where this suite can run it: batch-invariant as on CUDA."""
+    from engine.model.flex_attention import FlexBackend
+
+    flex = FlexBackend(CPU, 128, 16, max_rows=2048, compile=True)
+    _check_attention_invariance(_Cache(torch.float32, dim=64, backend=flex))
+    assert flex.failed is None and flex.succeeded

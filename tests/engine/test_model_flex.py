@@ -56,14 +56,17 @@ def _random_batch(rng: random.Random, num_blocks: int, bs: int):
     return reqs
 
 
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "split"])
 @pytest.mark.parametrize("seed", range(16))
-def test_block_plan_equals_true_mask(seed):
+def test_block_plan_equals_true_mask(seed, invariant):
     rng = random.Random(seed)
     bs = rng.choice([4, 8, 16])
     num_blocks = 40 if bs == 16 else 80
     is_causal = seed % 4 != 3
     reqs = _random_batch(rng, num_blocks, bs)
-    backend = FlexBackend(torch.device("cpu"), num_blocks, bs, max_rows=64, compile=False)
+    backend = FlexBackend(
+        torch.device("cpu"), num_blocks, bs, max_rows=64, compile=False, batch_invariant=invariant
+    )
     meta = build_metadata(
         [c for c, _, _ in reqs],
         [n for _, n, _ in reqs],
@@ -73,7 +76,8 @@ def test_block_plan_equals_true_mask(seed):
         is_causal=is_causal,
     )
     plan = backend.plan(meta)
-    paged = [(c, n, t) for c, n, t in reqs if c > 0]
+    # Batch-invariant plans send every request through flex; the split one leaves fresh prefills to SDPA.
+    paged = [(c, n, t) for c, n, t in reqs if c > 0 or invariant]
     assert len(plan.requests) == len(paged)
     for window in (None, 3, 7, 20) if is_causal else (None,):
         dense = _emulated_mask(backend, plan, window)
