@@ -65,3 +65,15 @@ def test_dashboard_is_provisioned_with_its_datasource() -> None:
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] == source["uid"]
         assert panel["targets"] and all(t["expr"] for t in panel["targets"])
+
+
+def test_readme_monitoring_section_matches_the_kit() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("\n## Monitoring\n")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    assert "docker compose -f docker/monitoring/compose.yaml up -d" in section
+    assert "](docker/monitoring/dashboard.png)" in section and (KIT / "dashboard.png").is_file()
+    rules = yaml.safe_load((KIT / "prometheus" / "brine.rules.yml").read_text())
+    names = [r["record"] for g in rules["groups"] for r in g["rules"]]
+    # The table abbreviates the p90 rule as `:p90_5m` after the p50 one.
+    assert all(name in section or name.endswith(":p90_5m") for name in names)

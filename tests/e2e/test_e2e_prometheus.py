@@ -204,6 +204,7 @@ def test_kit_on_a_real_prometheus(stack: tuple[BrineServer, Prometheus]) -> None
         "model_name:brine_time_to_first_token_seconds:p90_5m": histogram_quantile(0.9, buckets),
         "model_name:brine_generation_tokens:rate_5m": generated / 300,
     }
+    assert README_HIT_RATE in (ROOT / "README.md").read_text()
     assert prom.value(README_HIT_RATE, at) == pytest.approx(hits / queries, rel=1e-9)
     recorded = rules()
     assert set(recorded) == set(expected)
