@@ -57,6 +57,7 @@ def render(base: str, start: float, end: float, out: Path, rate_interval: str) -
                 ax.plot(xs, ys, linewidth=1.6, label=legend(target.get("legendFormat", ""), series["metric"]))
         ax.set_title(panel["title"], loc="left", fontsize=11)
         ax.grid(alpha=0.2)
+        ax.xaxis.set_major_locator(mdates.MinuteLocator())
         ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
         if unit == "percentunit":
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))
