@@ -65,7 +65,7 @@ def create_app(
         summary="OpenAI-compatible LLM inference with prefix caching and per-tenant cache salts.",
         docs_url="/docs",
         redoc_url=None,
-        # A body sent without a Content-Type is still read as JSON, as OpenAI's API and older FastAPI do.
+        # A body sent without a Content-Type is still read as JSON, as Brine always did (older FastAPI too).
         **({"strict_content_type": False} if "strict_content_type" in _FASTAPI_PARAMS else {}),
     )
     install_error_handlers(app)
