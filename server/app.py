@@ -7,6 +7,7 @@ tests). Routes hold no state of their own beyond what `create_app` closes over.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -17,13 +18,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
+from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
 from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError, bad_request, error_body, install_error_handlers
 from server.generation import ClientDisconnected
-from server.params import check_model
-from server.parsing import MAX_BODY_BYTES, parse_request
+from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
+from server.params import check_chat_template, check_model
 from server.prompts import encode, render_chat
-from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import now
 from server.serving_chat import create_chat_completion
 from server.serving_completion import create_completion
@@ -31,6 +33,9 @@ from server.serving_completion import create_completion
 
 class MetricsRenderer(Protocol):
     def render(self) -> tuple[bytes, str]: ...
+
+
+_FASTAPI_PARAMS = inspect.signature(FastAPI).parameters
 
 
 def _version() -> str:
@@ -49,13 +54,24 @@ def create_app(
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
-    api_keys: when non-empty, every route but `GET /health` needs `Authorization: Bearer <one of them>`.
+    api_keys: when non-empty, every route but `GET /health` needs `Authorization: Bearer <one of them>`
+        (`/docs` and `/openapi.json` included).
     metrics: what `GET /metrics` renders (a `metrics.prometheus.PrometheusStatLogger`); empty body if None.
-    max_body_bytes: larger request bodies are refused with a 413 before they are parsed.
+    max_body_bytes: larger request bodies are refused with a 413 before they are read whole.
     """
-    app = FastAPI(title="Brine", version=_version(), docs_url=None, redoc_url=None)
-    app.state.max_body_bytes = max_body_bytes
+    app = FastAPI(
+        title="Brine",
+        version=_version(),
+        summary="OpenAI-compatible LLM inference with prefix caching and per-tenant cache salts.",
+        docs_url="/docs",
+        redoc_url=None,
+        # A body sent without a Content-Type is still read as JSON, as Brine always did (older FastAPI too).
+        **({"strict_content_type": False} if "strict_content_type" in _FASTAPI_PARAMS else {}),
+    )
     install_error_handlers(app)
+    install_openapi(app)
+    # Added last = outermost: a request without a valid key is refused before its body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys))
     created = now()
@@ -70,15 +86,15 @@ def create_app(
         if not engine.is_healthy():
             raise APIError("The engine is not running.", status=503, type=SERVER_ERROR, code="engine_dead")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    @app.post("/v1/chat/completions", operation_id="createChatCompletion", responses=GENERATION_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         require_healthy()
-        return await create_chat_completion(engine, request)
+        return await create_chat_completion(engine, body, request)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    @app.post("/v1/completions", operation_id="createCompletion", responses=GENERATION_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         require_healthy()
-        return await create_completion(engine, request)
+        return await create_completion(engine, body, request)
 
     def model_card() -> dict:
         return {
@@ -89,37 +105,37 @@ def create_app(
             "max_model_len": engine.max_model_len,
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", operation_id="listModels")
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", operation_id="retrieveModel")
     async def retrieve_model(model_id: str) -> dict:
         check_model(model_id, engine.model_name)
         return model_card()
 
-    @app.get("/health")
+    @app.get("/health", operation_id="health")
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)
         body = error_body("The engine is not running.", type=SERVER_ERROR, code="engine_dead")
         return JSONResponse(body, status_code=503)
 
-    @app.get("/version")
+    @app.get("/version", operation_id="version")
     async def version() -> dict:
         return {"version": _version()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", operation_id="metrics")
     async def get_metrics() -> Response:
         if metrics is None:
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        req = await parse_request(request, TokenizeRequest)
+    @app.post("/tokenize", operation_id="tokenize", responses=BODY_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> dict:
         check_model(req.model, engine.model_name)
+        check_chat_template(req.chat_template)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Send exactly one of prompt and messages.", "prompt")
         if req.messages is not None:
@@ -139,16 +155,15 @@ def create_app(
             )
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        req = await parse_request(request, DetokenizeRequest)
+    @app.post("/detokenize", operation_id="detokenize", responses=BODY_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> dict:
         check_model(req.model, engine.model_name)
         vocab = vocab_size(engine.tokenizer)
         if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
             raise bad_request("tokens contains a token id outside the vocabulary.", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", operation_id="resetPrefixCache")
     async def reset_prefix_cache() -> dict:
         # The real engine waits for the current step to end: keep that wait off the event loop.
         if not await anyio.to_thread.run_sync(engine.reset_prefix_cache):

@@ -20,7 +20,8 @@ logger = logging.getLogger("brine.serve")
 _DESCRIPTION = (
     "Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
     "with a paged, prefix-cached KV store. Requests may carry a top-level `cache_salt` (a non-empty string "
-    "of at most 1024 characters): cached KV blocks are only reused between requests with the same salt."
+    "of at most 1024 characters): cached KV blocks are only reused between requests with the same salt. "
+    "The request schemas are published at /openapi.json, browsable at /docs."
 )
 
 
@@ -129,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[],
-        help="require 'Authorization: Bearer <key>' on every route but GET /health; repeat for several "
-        "keys. The BRINE_API_KEY environment variable adds one more.",
+        help="require 'Authorization: Bearer <key>' on every route but GET /health (/docs and /openapi.json "
+        "included); repeat for several keys. The BRINE_API_KEY environment variable adds one more.",
     )
     s.add_argument(
         "--log-level",

@@ -21,6 +21,7 @@ logger = logging.getLogger("brine.server")
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+CACHE_SALT = "cache_salt"
 
 
 class APIError(Exception):
@@ -61,20 +62,34 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """The first pydantic error as a 400, naming the offending top-level field as `param`.
+    """A failed body validation as a 400, naming the offending top-level field as `param`.
 
-    Built from the error's location and message only (never `input`), so values are not echoed.
+    An invalid `cache_salt` wins over every other error, so that a request with a bad salt is always refused
+    for its salt. Built from the error's location, type and message only (never `input`), so values are not
+    echoed.
     """
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request")
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    if loc and loc[0] == "body":  # FastAPI prefixes body errors with "body"
-        loc = loc[1:]
+    first = next((e for e in errors if _loc(e)[:1] == [CACHE_SALT]), errors[0])
+    loc = _loc(first)
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return bad_request("We could not parse the JSON body of your request.", code="invalid_json")
+    if not loc and kind in ("missing", "model_attributes_type", "model_type", "dict_type"):
+        return bad_request(
+            "The request body must be a JSON object (sent with Content-Type: application/json).",
+            code="invalid_json",
+        )
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "request body"
-    return bad_request(f"{where}: {first.get('msg', 'invalid value')}", param=param)
+    code = "invalid_cache_salt" if param == CACHE_SALT else None
+    return bad_request(f"{where}: {first.get('msg', 'invalid value')}", param=param, code=code)
+
+
+def _loc(error: Any) -> list[str]:
+    loc = [str(part) for part in error.get("loc", ())]
+    return loc[1:] if loc and loc[0] == "body" else loc  # FastAPI prefixes body errors with "body"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -21,8 +21,17 @@ def check_model(requested: str | None, served: str) -> None:
     raise APIError(f"The model `{shown}` does not exist.", status=404, param="model", code="model_not_found")
 
 
+def check_chat_template(chat_template: str | None) -> None:
+    # The template comes from the model (see server.prompts.render_chat for why a request's own is refused).
+    if chat_template is not None:
+        raise bad_request(
+            "chat_template is not supported: the chat template always comes from the model.", "chat_template"
+        )
+
+
 def check_chat_features(req: ChatCompletionRequest) -> None:
     """Reject what Brine cannot honour instead of silently ignoring it (the client would get wrong output)."""
+    check_chat_template(req.chat_template)
     if req.tools and req.tool_choice != "none":
         raise bad_request('Tool calling is not supported; send tool_choice "none" or omit tools.', "tools")
     if req.functions and req.function_call != "none":

@@ -1,18 +1,72 @@
 """Request bodies of the OpenAI-compatible routes, as pydantic v2 models.
 
-Fields follow OpenAI's spec plus the extras vLLM users send (top_k, min_p, ...). Unknown fields are ignored,
-as vLLM does, so clients written for other servers keep working. Ranges that the spec fixes are enforced here;
-rules that span several fields live in `server.params`. `cache_salt` is deliberately absent: it is checked
-(and removed) before these models see the body, so no pydantic message can ever include its value.
+Routes declare these as their bodies, so FastAPI validates them and publishes them in `/openapi.json`. Fields
+follow OpenAI's spec plus the extras vLLM users send (top_k, min_p, ...). Unknown fields are ignored, as vLLM
+does, so clients written for other servers keep working; each unknown field name is logged once at warning
+level, then at debug level. Ranges that the spec fixes are enforced here; rules that span several fields live
+in `server.params`. Error messages are built from pydantic's location and message, never its input
+(`server.errors.validation_error`), so no value, `cache_salt` included, is ever echoed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+import threading
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+logger = logging.getLogger("brine.server")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_CACHE_SALT_CHARS = 1024
+CACHE_SALT_CODE = "invalid_cache_salt"
+_CACHE_SALT_DOC = (
+    "Isolates this request's prefix-cache entries: KV blocks computed under one salt are never reused by a "
+    "request with another salt or with none, so tenants sharing the server cannot learn from "
+    "time-to-first-token whether another tenant sent the same prompt. Give each tenant its own salt. Omit "
+    "it for no salt; an explicit null is refused, so that a salt lost upstream never silently shares the "
+    f"unsalted cache. 1 to {MAX_CACHE_SALT_CHARS} characters; never logged, never echoed in errors."
+)
+# Absent means "no salt"; null is refused (see the description), so the published schema is a plain string.
+CacheSalt = Annotated[
+    str | None,
+    Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_CACHE_SALT_CHARS,
+            "title": "Cache Salt",
+            "description": _CACHE_SALT_DOC,
+        }
+    ),
+]
+
+
+class _UnknownFieldLog:
+    """Which unknown field names were already logged at warning level. Bounded: a client inventing a new
+    name per request must not grow memory; past the bound every name is logged at debug level."""
+
+    MAX_NAMES = 1024
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        # Validation runs on the event loop, but models may be built in any thread (tests, worker threads).
+        self._lock = threading.Lock()
+
+    def log(self, model: str, names: set[str]) -> None:
+        for name in sorted(names):
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            with self._lock:
+                first = (model, name) not in self._seen and len(self._seen) < self.MAX_NAMES
+                if first:
+                    self._seen.add((model, name))
+            level = logging.WARNING if first else logging.DEBUG
+            logger.log(level, "ignoring unknown field %r in %s", shown, model)
+
+
+UNKNOWN_FIELDS = _UnknownFieldLog()
 
 
 class _Request(BaseModel):
@@ -27,6 +81,9 @@ class _Request(BaseModel):
         "no limit" or "false" further on."""
         if not isinstance(data, dict):
             return data
+        unknown = {key for key in data if isinstance(key, str) and key not in cls.model_fields}
+        if unknown:
+            UNKNOWN_FIELDS.log(cls.__name__, unknown)
         return {
             key: value
             for key, value in data.items()
@@ -51,8 +108,21 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
+_CHAT_TEMPLATE_DOC = (
+    "Not supported: the chat template always comes from the model, and a request that sets this field "
+    "(or chat_template_kwargs.chat_template) is refused with a 400."
+)
+
+
 class _SamplingFields(_Request):
     """Fields both generation routes share."""
+
+    @field_validator("cache_salt", mode="before", check_fields=False)
+    @classmethod
+    def _salt_not_null(cls, value: Any) -> Any:
+        if value is None:
+            raise PydanticCustomError(CACHE_SALT_CODE, "cache_salt must be a string; omit it for no salt")
+        return value
 
     model: str | None = None  # optional, as in vLLM: the one served model is the default
     n: int | None = Field(default=1, ge=1, le=128)
@@ -84,13 +154,15 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
-    function_call: Any = None
+    function_call: str | dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(default=None, description=_CHAT_TEMPLATE_DOC)
+    cache_salt: CacheSalt = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -101,6 +173,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None  # accepted and ignored: v1-style engines dropped best_of
+    cache_salt: CacheSalt = None
 
 
 class TokenizeRequest(_Request):
@@ -111,6 +184,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(default=None, description=_CHAT_TEMPLATE_DOC)
 
 
 class DetokenizeRequest(_Request):

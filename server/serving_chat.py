@@ -19,7 +19,6 @@ from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
 from server.params import check_chat_features, check_model, sampling_params
-from server.parsing import parse_generation_request
 from server.prompts import render_chat
 from server.protocol import ChatCompletionRequest
 from server.responses import TokenTexts, chat_logprobs, finish_reason, new_id, now, usage
@@ -54,8 +53,11 @@ class _Ctx:
         }
 
 
-async def create_chat_completion(engine: EngineClient, request: Request) -> Response:
-    req, salt = await parse_generation_request(request, ChatCompletionRequest)
+async def create_chat_completion(
+    engine: EngineClient, req: ChatCompletionRequest, request: Request
+) -> Response:
+    """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
+    salt = req.cache_salt
     check_model(req.model, engine.model_name)
     check_chat_features(req)
     # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.

@@ -18,7 +18,6 @@ from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
 from server.params import check_completion_features, check_model, sampling_params
-from server.parsing import parse_generation_request
 from server.prompts import completion_prompts
 from server.protocol import CompletionRequest
 from server.responses import CompletionLogprobs, TokenTexts, finish_reason, new_id, now, usage
@@ -118,8 +117,9 @@ def _final_reason(reason: FinishReason | None) -> str:
     return finish_reason(reason) or "stop"
 
 
-async def create_completion(engine: EngineClient, request: Request) -> Response:
-    req, salt = await parse_generation_request(request, CompletionRequest)
+async def create_completion(engine: EngineClient, req: CompletionRequest, request: Request) -> Response:
+    """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
+    salt = req.cache_salt
     check_model(req.model, engine.model_name)
     check_completion_features(req)
     vocab = vocab_size(engine.tokenizer)

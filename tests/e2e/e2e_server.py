@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +51,43 @@ def serve_command(port: int) -> list[str]:
         *base, "serve", "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
         "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", "8", "--log-level", "info",
     ]  # fmt: skip
+
+
+@contextmanager
+def running_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator[BrineServer]:
+    """`brine serve` on a free loopback port, healthy and with its model id known; stopped on exit."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("BRINE_API_KEY", None)  # the test decides the keys
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*serve_command(port), *extra_args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"brine serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"brine serve not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}"
+                )
+            time.sleep(0.5)
+        models = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        yield BrineServer(base, API_KEY, models.json()["data"][0]["id"], log_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def make_client(server: BrineServer, *, api_key: str | None = None, strict: bool = True) -> openai.OpenAI:

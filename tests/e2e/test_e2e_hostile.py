@@ -72,3 +72,7 @@ def test_oversized_body_and_request_template_are_refused(brine_server: BrineServ
     }
     r = httpx.post(url, json=body, headers=brine_server.headers, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    # vLLM's top-level field too: refused, not silently ignored with a 200 (the client would think it was used).
+    top = {"messages": body["messages"], "max_tokens": 1, "chat_template": "{{ messages }}"}
+    r = httpx.post(url, json=top, headers=brine_server.headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"

@@ -22,6 +22,8 @@ PROTECTED = [
     ("POST", "/reset_prefix_cache", None),
     ("POST", "/v1/chat/completions", chat_body()),
     ("POST", "/v1/completions", completion_body()),
+    ("GET", "/docs", None),
+    ("GET", "/openapi.json", None),
     ("GET", "/no/such/route", None),
 ]
 

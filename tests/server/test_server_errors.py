@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from server_helpers import assert_error, chat_body, completion_body
 
 from server.app import create_app
-from server.parsing import MAX_BODY_BYTES
+from server.body_limit import MAX_BODY_BYTES
 
 
 def test_unknown_route_and_method(client: TestClient) -> None:
