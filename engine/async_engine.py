@@ -27,6 +27,7 @@ from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from kv_cache.namespace import CacheNamespace, Owner
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +131,11 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        cache_salt: str | None = None,
+        namespace: CacheNamespace | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields deltas; the last has finished=True. ValueError before the first yield for a request that can
-        never run. Closing or cancelling the iterator aborts the request (blocks freed at the next step)."""
+        never run. Closing or cancelling the iterator aborts the request (blocks freed at the next step).
+        `namespace`: whose cached blocks the request may reuse (None: the shared unsalted namespace)."""
         self._core.check_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -143,7 +145,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, stream, list(prompt_token_ids), params, cache_salt))
+        self._inbox.put(("add", request_id, stream, list(prompt_token_ids), params, namespace))
         finished = False
         try:
             while not finished:
@@ -170,6 +172,17 @@ class AsyncEngine:
         see the emptied cache at once (the core records it under the lock, never during a step)."""
         with self._core_lock:
             return self._core.reset_prefix_cache()
+
+    def forget_prefix_cache(self, owner: Owner) -> int:
+        """Forgets one tenant's cached private blocks (`CacheNamespace.owner`), even while requests run;
+        returns how many. Public-prefix blocks and other tenants' blocks stay."""
+        with self._core_lock:
+            return self._core.forget_prefix_cache(owner)
+
+    def set_public_prefixes(self, prefixes: list[list[int]]) -> None:
+        """Declares the public prefixes (token ids) for every request added from now on."""
+        with self._core_lock:
+            self._core.kv.set_public_prefixes(prefixes)
 
     def num_used_blocks(self) -> int:
         with self._core_lock:
@@ -206,12 +219,12 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
         if cmd[0] == "add":
-            _, request_id, stream, prompt, params, cache_salt = cmd
+            _, request_id, stream, prompt, params, namespace = cmd
             with self._streams_lock:
                 if self._streams.get(request_id) is not stream:  # the caller went away before we saw it
                     return []
             try:
-                outputs = self._core.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                outputs = self._core.add_request(request_id, prompt, params, namespace=namespace)
             except Exception as exc:  # a bug in adding one request must not kill the engine
                 logger.exception("could not add request %s", request_id)
                 _push(stream, exc)

@@ -23,6 +23,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from kv_cache.manager import KVCacheManager
+from kv_cache.namespace import CacheNamespace, Owner
 from metrics.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        cache_salt: str | None = None,
+        namespace: CacheNamespace | None = None,
         arrival_time: float | None = None,
     ) -> list[RequestOutput]:
         """Queues a request (n sequences). Returns an error output if it cannot be added, else []."""
@@ -108,9 +109,9 @@ class EngineCore:
                     params, n=1, seed=None if params.seed is None else params.seed + i
                 )
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-                hasher = self.kv.make_hasher(cache_salt)
+                hasher = self.kv.make_hasher(namespace, prompt_token_ids)
                 children.append(
-                    Request(child_id, prompt_token_ids, child_params, cache_salt, hasher, arrival, index=i)
+                    Request(child_id, prompt_token_ids, child_params, namespace, hasher, arrival, index=i)
                 )
             self.outputs.add(request_id, prompt_token_ids, children)
         except Exception as exc:
@@ -131,6 +132,13 @@ class EngineCore:
             return False
         self._record_stats(IterationStats(), prefix_cache_reset=True)
         return True
+
+    def forget_prefix_cache(self, owner: Owner) -> int:
+        """Forgets `owner`'s cached private blocks (a tenant's reset, allowed while requests run); returns
+        how many. Recorded to the stat loggers at once, like a reset (the cached-blocks gauge moves)."""
+        n = self.kv.forget(owner)
+        self._record_stats(IterationStats())
+        return n
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_ids()
@@ -175,6 +183,7 @@ class EngineCore:
             prefix_cache_hits=pcs.hits,
             prefix_cache_preempted_queries=pcs.preempted_queries,
             prefix_cache_preempted_hits=pcs.preempted_hits,
+            prefix_cache_public_hits=pcs.public_hits,
             prefix_cache_requests=pcs.requests,
             num_preemptions=self.scheduler.take_num_preemptions(),
             num_evictions=pcs.evictions,

@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kv_cache.hashing import BlockHasher
+    from kv_cache.namespace import CacheNamespace
 
 
 class RequestStatus(Enum):
@@ -54,7 +55,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    cache_salt: str | None = None
+    # Whose cache this request may read and write (tenant, gateway header, cache_salt); None: unsalted.
+    namespace: CacheNamespace | None = None
     # Made by KVCacheManager.make_hasher; None when prefix caching is off (block_hashes then stays empty).
     hasher: BlockHasher | None = None
     arrival_time: float = field(default_factory=time.monotonic)

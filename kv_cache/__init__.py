@@ -7,6 +7,7 @@ import it, so that the scheduler and its tests run without torch.
 from kv_cache.block_pool import BlockPool
 from kv_cache.hashing import HASH_ALGOS, BlockHash, BlockHasher, get_hash_fn, init_none_hash
 from kv_cache.manager import CacheRequest, ComputedBlocks, KVCacheManager
+from kv_cache.namespace import CacheNamespace, PublicPrefixes
 from kv_cache.stats import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, PrefixCacheStats
 
 __all__ = [
@@ -17,11 +18,13 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "CacheNamespace",
     "CacheRequest",
     "ComputedBlocks",
     "KVCacheEvent",
     "KVCacheManager",
     "PrefixCacheStats",
+    "PublicPrefixes",
     "get_hash_fn",
     "init_none_hash",
 ]

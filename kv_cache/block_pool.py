@@ -9,6 +9,9 @@ object per block on the scheduler's hot path). Rules the pool keeps:
   request's blocks in reverse so that the deepest block of a chain is evicted first.
 - One hash may be held by several blocks (two requests that computed the same prefix without sharing it);
   lookups return the first one cached.
+- A cached block may carry an owner (`kv_cache.namespace.Owner`: the tenant whose private namespace hashed
+  it); `forget(owner)` drops the hash of every block that owner holds, in use or not (a tenant's "forget my
+  prompts"). A block in use that was forgotten keeps serving its request, without a hash.
 Every block returned by take() must be freed exactly once per reference taken (take or touch).
 """
 
@@ -18,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kv_cache.hashing import BlockHash
+from kv_cache.namespace import Owner
 from kv_cache.stats import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 
@@ -29,6 +33,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_cnt: list[int] = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # Owner of each cached private block (None for public / unsalted ones and for blocks without a hash).
+        self.block_owner: list[Owner | None] = [None] * num_blocks
+        # Blocks in use whose hash forget() dropped: the manager's "leading blocks are cached" rule excuses
+        # them until they are allocated again.
+        self.forgotten: set[int] = set()
         # OrderedDict as an LRU queue: O(1) pop at the head, append at the tail and removal from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
@@ -67,11 +76,16 @@ class BlockPool:
         return ids
 
     def _evict(self, b: int, removed: list[BlockHash]) -> None:
+        self.num_evictions += 1
+        self._drop_hash(b, removed)
+
+    def _drop_hash(self, b: int, removed: list[BlockHash]) -> None:
+        """Forget block b's hash; a hash no other block holds is appended to `removed` (for the event)."""
         h = self.block_hash[b]
         assert h is not None
         self.block_hash[b] = None
+        self.block_owner[b] = None
         self.num_cached_blocks -= 1
-        self.num_evictions += 1
         dups = self._dups.get(h)
         if self._cached[h] == b:
             if dups:
@@ -102,11 +116,19 @@ class BlockPool:
             ref_cnt[b] -= 1
             if ref_cnt[b] == 0:
                 free[b] = None
+                if self.forgotten:
+                    self.forgotten.discard(b)
 
-    def cache(self, ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
-        """Give each block (in use, holding no hash) its hash and make it findable."""
+    def cache(
+        self, ids: Sequence[int], hashes: Sequence[BlockHash], owners: Sequence[Owner | None] | None = None
+    ) -> None:
+        """Give each block (in use, holding no hash) its hash and make it findable; `owners`: each block's
+        owner (default: none)."""
         block_hash = self.block_hash
         cached = self._cached
+        if owners is not None:
+            for b, owner in zip(ids, owners, strict=True):
+                self.block_owner[b] = owner
         for b, h in zip(ids, hashes, strict=True):
             block_hash[b] = h
             if h in cached:
@@ -120,12 +142,29 @@ class BlockPool:
         if len(self._free) != self.num_blocks:
             return False
         self.block_hash[:] = [None] * self.num_blocks  # in place: callers may hold the list
+        self.block_owner[:] = [None] * self.num_blocks
+        self.forgotten.clear()
         self._cached.clear()
         self._dups.clear()
         self.num_cached_blocks = 0
         if self._events is not None:
             self._events.append(AllBlocksCleared())
         return True
+
+    def forget(self, owner: Owner) -> int:
+        """Drop the hash of every block `owner` holds, in use or free; returns how many. Not evictions: the
+        blocks are not reallocated (free ones stay where they are in the queue, now without a hash)."""
+        removed: list[BlockHash] = []
+        n = 0
+        for b, o in enumerate(self.block_owner):
+            if o == owner:
+                self._drop_hash(b, removed)
+                if self.ref_cnt[b]:
+                    self.forgotten.add(b)
+                n += 1
+        if removed and self._events is not None:
+            self._events.append(BlockRemoved(removed))
+        return n
 
     def check_invariants(self, held: Iterable[Sequence[int]]) -> None:
         """Raise AssertionError unless ref counts equal the references in `held` (every request's block
@@ -150,3 +189,7 @@ class BlockPool:
             mapped = [self._cached[h], *self._dups.get(h, [])]
             assert sorted(mapped) == bs, f"hash map lists {mapped} for a hash held by blocks {bs}"
         assert set(self._dups) <= set(self._cached) and all(self._dups.values()), "stale duplicate entries"
+        for b, owner in enumerate(self.block_owner):
+            assert owner is None or self.block_hash[b] is not None, f"block {b} has an owner but no hash"
+        for b in self.forgotten:
+            assert self.block_hash[b] is None and expected[b] > 0, f"forgotten block {b} is cached or free"

@@ -6,9 +6,13 @@ hash (a per-process seed, `init_none_hash`, for block 0), `token_ids` are the bl
 prefixes (up to collisions of the hash function), and anything mixed into block 0 (the cache salt) is inherited
 by every later block.
 
-Extra keys are tagged tuples, so that keys of different kinds can never collide with each other:
-`("cache_salt", salt)` (block 0 only), `("lora", name)` (every block) and `("mm", identifier, offset)` (every
-block that overlaps a multimodal item whose placeholder tokens start at sequence position `offset`).
+Extra keys are tagged tuples, so that keys of different kinds can never collide with each other: the
+request's namespace (`kv_cache.namespace.CacheNamespace.keys()`: `("tenant", id)`, `("gateway", value)`,
+`("cache_salt", salt)`) on its first private block only, `("lora", name)` (every block) and
+`("mm", identifier, offset)` (every block that overlaps a multimodal item whose placeholder tokens start at
+sequence position `offset`). The first private block is block 0, unless the prompt starts with a declared
+public prefix: then its `num_public_blocks` full blocks carry no namespace (every namespace shares them) and
+the namespace goes into the block right after them.
 
 `BlockHash` is always `bytes`: 32 bytes for sha256, 16 bytes (xxh3-128) for xxhash.
 
@@ -30,6 +34,8 @@ import struct
 from collections.abc import Callable, Sequence
 
 import xxhash
+
+from kv_cache.namespace import CacheNamespace
 
 BlockHash = bytes
 HashFn = Callable[[object], BlockHash]
@@ -155,12 +161,16 @@ class BlockHasher:
     Only full blocks are hashed, each exactly once: extend() starts where `block_hashes` stops, so the cost
     per call is O(1) until a block fills. The caller owns `block_hashes` and must not edit it otherwise.
     Block i's hash is exactly `hash_fn((block_hashes[i - 1] or none_hash, tokens of block i, extra_keys(i)))`.
+    Blocks `0 .. num_public_blocks - 1` carry no namespace key; the caller (KVCacheManager.make_hasher)
+    guarantees that they lie wholly inside a declared public prefix of the request's prompt.
     """
 
     __slots__ = (
         "block_size",
         "hash_fn",
         "none_hash",
+        "namespace",
+        "num_public_blocks",
         "_first_keys",
         "_later_keys",
         "_mm_items",
@@ -175,22 +185,34 @@ class BlockHasher:
         block_size: int,
         hash_fn: HashFn,
         *,
+        namespace: CacheNamespace | None = None,
+        num_public_blocks: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_items: Sequence[tuple[str, int, int]] = (),
         none_hash: BlockHash | None = None,
     ) -> None:
-        """`mm_items`: (identifier, offset, length) of each multimodal item's placeholder tokens.
+        """`namespace`: the request's cache namespace; `cache_salt` is shorthand for a namespace holding only
+        that salt (give one or the other). `num_public_blocks`: leading blocks hashed without the namespace.
+        `mm_items`: (identifier, offset, length) of each multimodal item's placeholder tokens.
         `none_hash`: block 0's parent; a fresh init_none_hash(hash_fn) when not given."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_public_blocks < 0:
+            raise ValueError(f"num_public_blocks must be >= 0, got {num_public_blocks}")
+        if cache_salt is not None:
+            if namespace is not None:
+                raise ValueError("give namespace or cache_salt, not both")
+            namespace = CacheNamespace(salt=cache_salt)
         self.block_size = block_size
         self.hash_fn = hash_fn
+        self.namespace = namespace or CacheNamespace()
+        self.num_public_blocks = num_public_blocks
         self.none_hash = init_none_hash(hash_fn) if none_hash is None else none_hash
         if not isinstance(self.none_hash, bytes):
             raise TypeError(f"none_hash must be bytes, got {type(self.none_hash).__name__}")
         later: list[tuple[object, ...]] = [("lora", lora_name)] if lora_name is not None else []
-        first = ([("cache_salt", cache_salt)] if cache_salt is not None else []) + later
+        first = list(self.namespace.keys()) + later
         self._first_keys: ExtraKeys | None = tuple(first) or None
         self._later_keys: ExtraKeys | None = tuple(later) or None
         self._mm_items = tuple(mm_items)
@@ -203,7 +225,7 @@ class BlockHasher:
 
     def extra_keys(self, block_index: int) -> ExtraKeys | None:
         """The typed extra keys of block `block_index` (None when it has none)."""
-        keys = self._first_keys if block_index == 0 else self._later_keys
+        keys = self._first_keys if block_index == self.num_public_blocks else self._later_keys
         if not self._mm_items:
             return keys
         start = block_index * self.block_size
@@ -236,12 +258,13 @@ class BlockHasher:
         head = _KEY_HEAD
         tokens_head = b"i" + _LEN(bs)
         later_enc = self._later_enc
+        first = self.num_public_blocks
         for i in range(start, end):
             tokens = all_token_ids[i * bs : (i + 1) * bs]
             try:
                 packed = tokens_head + pack(*tokens)
             except struct.error:  # not all int64: the general encoding (still what encode() gives)
                 packed = encode(tokens)
-            keys_enc = later_enc if i else self._first_enc
+            keys_enc = self._first_enc if i == first else later_enc
             parent = digest(join((head, _LEN(len(parent)), parent, packed, keys_enc)))
             block_hashes.append(parent)

@@ -9,15 +9,21 @@ Rules a caller keeps:
   whose blocks were freed on preemption).
 - Every request that got blocks is freed exactly once with free() (finished, aborted or preempted).
 - request.block_hashes is kept current by the request's BlockHasher (make_hasher) as tokens are appended.
+
+Namespaces (kv_cache.namespace): make_hasher(namespace, prompt) hashes the blocks lying wholly inside the
+longest declared public prefix the prompt starts with without the namespace, the rest under it; cached
+private blocks remember their owner so that forget(owner) can drop one tenant's blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kv_cache.block_pool import BlockPool
 from kv_cache.hashing import BlockHash, BlockHasher, get_hash_fn, init_none_hash
+from kv_cache.namespace import CacheNamespace, Owner, PublicPrefixes
 from kv_cache.stats import BlockStored, KVCacheEvent, PrefixCacheStats
 
 
@@ -28,6 +34,7 @@ class CacheRequest(Protocol):
     all_token_ids: list[int]  # prompt + generated
     num_computed_tokens: int
     block_hashes: list[BlockHash]  # kept current by a BlockHasher (empty when caching is off)
+    hasher: BlockHasher | None  # from make_hasher; None when caching is off
     skip_reading_prefix_cache: bool  # True when prompt logprobs are asked for
     num_preemptions: int  # > 0 once the request has been preempted
 
@@ -44,6 +51,8 @@ class ComputedBlocks:
     # allocate_slots counts the query and the hit only when the admission succeeds, so a request that
     # waits several steps for blocks is counted once, as the metrics promise.
     num_queried_tokens: int = field(default=0, compare=False)
+    # Of num_tokens, those in blocks of a declared public prefix (hashed without namespace).
+    num_public_tokens: int = field(default=0, compare=False)
 
 
 class KVCacheManager:
@@ -55,6 +64,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         enable_events: bool = False,
+        public_prefixes: Iterable[Sequence[int]] = (),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -70,17 +80,31 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # request id -> how many of its leading blocks are cached
         self._stats = PrefixCacheStats()
         self._evictions_reported = 0
+        self.public_prefixes = PublicPrefixes(public_prefixes)
+
+    def set_public_prefixes(self, prefixes: Iterable[Sequence[int]]) -> None:
+        """Declare the public prefixes (token ids) for requests made from now on."""
+        self.public_prefixes = PublicPrefixes(prefixes)
 
     def make_hasher(
-        self, cache_salt: str | None = None, *, lora_name: str | None = None
+        self,
+        namespace: CacheNamespace | None = None,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        lora_name: str | None = None,
     ) -> BlockHasher | None:
-        """The hasher a new request keeps its block_hashes with; None when caching is off (nothing is hashed)."""
+        """The hasher a new request keeps its block_hashes with; None when caching is off (nothing is hashed).
+
+        The full blocks of the longest declared public prefix `prompt_token_ids` starts with are hashed
+        without `namespace`; a block reaching past that prefix (the one straddling it included) is private."""
         if not self.enable_caching:
             return None
+        public = self.public_prefixes.match(prompt_token_ids) if self.public_prefixes else 0
         return BlockHasher(
             self.block_size,
             self.hash_fn,
-            cache_salt=cache_salt,
+            namespace=namespace,
+            num_public_blocks=public // self.block_size,
             lora_name=lora_name,
             none_hash=self.none_hash,
         )
@@ -100,7 +124,9 @@ class KVCacheManager:
             if b is None:
                 break
             ids.append(b)
-        return ComputedBlocks(ids, len(ids) * self.block_size, request.num_tokens)
+        public = min(len(ids), request.hasher.num_public_blocks) if request.hasher is not None else 0
+        bs = self.block_size
+        return ComputedBlocks(ids, len(ids) * bs, request.num_tokens, public * bs)
 
     def allocate_slots(
         self, request: CacheRequest, num_new_tokens: int, computed: ComputedBlocks | None = None
@@ -138,7 +164,12 @@ class KVCacheManager:
         new_ids = pool.take(num_new_blocks) if num_new_blocks else []
         blocks.extend(new_ids)
         if computed is not None and computed.num_queried_tokens:
-            self._stats.record(computed.num_queried_tokens, computed.num_tokens, request.num_preemptions > 0)
+            self._stats.record(
+                computed.num_queried_tokens,
+                computed.num_tokens,
+                request.num_preemptions > 0,
+                computed.num_public_tokens,
+            )
         if self.enable_caching:
             # Cache blocks as soon as they are full of known tokens (they are computed in this step), so that
             # a request scheduled later in the same step can already hit them.
@@ -153,7 +184,14 @@ class KVCacheManager:
         end = min(num_full, len(hashes))
         if end <= start:
             return
-        self.block_pool.cache(blocks[start:end], hashes[start:end])
+        hasher = request.hasher
+        owner = hasher.namespace.owner if hasher is not None else None
+        owners = None
+        if owner is not None:
+            # Public blocks (below num_public_blocks) belong to nobody: a tenant's reset must not touch them.
+            first_private = hasher.num_public_blocks  # type: ignore[union-attr]
+            owners = [owner if i >= first_private else None for i in range(start, end)]
+        self.block_pool.cache(blocks[start:end], hashes[start:end], owners)
         self._num_cached[rid] = end
         if self._events is not None:
             bs = self.block_size
@@ -178,6 +216,12 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (nothing changes) while any block is in use."""
         return self.block_pool.reset()
+
+    def forget(self, owner: Owner) -> int:
+        """Forget every cached block of `owner`'s private namespace (a tenant's reset), in use or not; returns
+        how many. Blocks in use keep serving their requests, but no later request can hit them; public blocks
+        and other owners' blocks are untouched."""
+        return self.block_pool.forget(owner)
 
     @property
     def usage(self) -> float:
@@ -217,6 +261,9 @@ class KVCacheManager:
         for rid, n in self._num_cached.items():
             blocks = self._req_blocks[rid]
             assert n <= len(blocks), f"{rid}: {n} cached blocks but only {len(blocks)} held"
-            assert all(block_hash[b] is not None for b in blocks[:n]), f"{rid}: a cached block lost its hash"
+            forgotten = self.block_pool.forgotten
+            assert all(block_hash[b] is not None or b in forgotten for b in blocks[:n]), (
+                f"{rid}: a cached block lost its hash"
+            )
         if not self.enable_caching:
             assert self.block_pool.num_cached_blocks == 0, "blocks cached while caching is off"

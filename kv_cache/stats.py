@@ -24,9 +24,11 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    # Of `hits`, tokens in blocks of a declared public prefix (shared by every namespace).
+    public_hits: int = 0
     evictions: int = 0  # cached blocks whose hash was dropped because the block was reallocated
 
-    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+    def record(self, num_tokens: int, num_hits: int, preempted: bool, num_public_hits: int = 0) -> None:
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
@@ -35,6 +37,7 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+            self.public_hits += num_public_hits
 
 
 @dataclass(slots=True)

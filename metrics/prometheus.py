@@ -85,6 +85,10 @@ class PrometheusStatLogger:
             "brine_prefix_cache_preempted_hits",
             "Of the preempted lookups, tokens found in the prefix cache.",
         )
+        self.prefix_cache_public_hits = counter(
+            "brine_prefix_cache_public_hits",
+            "Of the prefix-cache hits, tokens in blocks of a declared public prefix (shared by every tenant).",
+        )
         self.prefix_cache_evictions = counter(
             "brine_prefix_cache_evictions",
             "Cached KV blocks whose prefix hash was dropped to reuse the block.",
@@ -154,6 +158,7 @@ class PrometheusStatLogger:
             self.prefix_cache_hits.inc(s.prefix_cache_hits)
             self.prefix_cache_preempted_queries.inc(s.prefix_cache_preempted_queries)
             self.prefix_cache_preempted_hits.inc(s.prefix_cache_preempted_hits)
+            self.prefix_cache_public_hits.inc(s.prefix_cache_public_hits)
             self.prefix_cache_evictions.inc(s.num_evictions)
             self.num_preemptions.inc(s.num_preemptions)
             self.prompt_tokens.inc(it.num_prompt_tokens)

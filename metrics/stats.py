@@ -29,6 +29,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
+    # Of prefix_cache_hits, tokens in blocks of a declared public prefix (shared across cache namespaces).
+    prefix_cache_public_hits: int = 0
     # Number of requests behind prefix_cache_queries (kv_cache's PrefixCacheStats.requests). Added beyond the
     # contract so the log line can give the hit rate over the last N *requests*; when the engine leaves it at
     # 0, a step with queries counts as one request.

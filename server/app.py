@@ -29,6 +29,7 @@ from server.protocol import ChatCompletionRequest, CompletionRequest, Detokenize
 from server.responses import now
 from server.serving_chat import create_chat_completion
 from server.serving_completion import create_completion
+from server.tenancy import TenancyConfig, request_owner
 
 
 class MetricsRenderer(Protocol):
@@ -51,11 +52,13 @@ def create_app(
     api_keys: Sequence[str] = (),
     metrics: MetricsRenderer | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    tenancy: TenancyConfig | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
-    api_keys: when non-empty, every route but `GET /health` needs `Authorization: Bearer <one of them>`
-        (`/docs` and `/openapi.json` included).
+    api_keys: the operator's keys. When there are any (or tenants), every route but `GET /health` needs
+        `Authorization: Bearer <key>` (`/docs` and `/openapi.json` included).
+    tenancy: tenants' keys, the gateway header and --require-cache-salt (server.tenancy); default: none.
     metrics: what `GET /metrics` renders (a `metrics.prometheus.PrometheusStatLogger`); empty body if None.
     max_body_bytes: larger request bodies are refused with a 413 before they are read whole.
     """
@@ -68,12 +71,14 @@ def create_app(
         # A body sent without a Content-Type is still read as JSON, as Brine always did (older FastAPI too).
         **({"strict_content_type": False} if "strict_content_type" in _FASTAPI_PARAMS else {}),
     )
+    tenancy = tenancy or TenancyConfig()
+    app.state.tenancy = tenancy
     install_error_handlers(app)
     install_openapi(app)
     # Added last = outermost: a request without a valid key is refused before its body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-    if api_keys:
-        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys))
+    if api_keys or tenancy.tenants is not None:
+        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), tenants=tenancy.tenants)
     created = now()
 
     @app.exception_handler(ClientDisconnected)
@@ -164,7 +169,12 @@ def create_app(
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @app.post("/reset_prefix_cache", operation_id="resetPrefixCache")
-    async def reset_prefix_cache() -> dict:
+    async def reset_prefix_cache(request: Request) -> dict:
+        owner = request_owner(request)
+        if owner is not None:
+            # A tenant's reset: its own private blocks only, in use or not (never refused with a 409).
+            forgotten = await anyio.to_thread.run_sync(engine.forget_prefix_cache, owner)
+            return {"reset": True, "forgotten_blocks": forgotten}
         # The real engine waits for the current step to end: keep that wait off the event loop.
         if not await anyio.to_thread.run_sync(engine.reset_prefix_cache):
             raise APIError(

@@ -134,12 +134,65 @@ def build_parser() -> argparse.ArgumentParser:
         "included); repeat for several keys. The BRINE_API_KEY environment variable adds one more.",
     )
     s.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="tenants' API keys: one 'TENANT SHA256HEX' line per key (blank and '#' lines ignored; `brine "
+        "tenant-key TENANT` makes a key and its line). A tenant's key puts its requests in that tenant's "
+        "own cache namespace and reaches only generation, /v1/models, /tokenize, /detokenize and a "
+        "/reset_prefix_cache of its own blocks; --api-key keys stay the operator's",
+    )
+    s.add_argument(
+        "--salt-header",
+        default=None,
+        metavar="NAME",
+        help="take the cache namespace of requests not made with a tenant's key from this request header "
+        "(a gateway sets it from its own authentication; the body's cache_salt partitions further; a "
+        "generation request without it is a 400). Only behind a gateway that strips it from clients' requests",
+    )
+    s.add_argument(
+        "--require-cache-salt",
+        action="store_true",
+        help="refuse (400) generation requests with no cache namespace: no tenant key, no --salt-header "
+        "header and no cache_salt",
+    )
+    s.add_argument(
+        "--public-prefix",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a prompt prefix published to every tenant (repeatable): a .json list of chat messages (e.g. "
+        "the system prompt), else plain text for /v1/completions. The KV blocks lying wholly inside it are "
+        "cached once for all tenants; the rest of a prompt stays in its own namespace. Longest match wins",
+    )
+    s.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
         help="log level for Brine and uvicorn (default: %(default)s)",
     )
+    k = sub.add_parser(
+        "tenant-key",
+        help="make a new API key for a tenant and print it with its --tenants line",
+        description="Make a new random API key for TENANT. Prints the key (give it to the tenant: it is "
+        "shown only this once and stored nowhere) and the line to add to the --tenants file.",
+    )
+    k.add_argument("tenant", metavar="TENANT", help="the tenant id (no whitespace, at most 1024 characters)")
     return parser
+
+
+def tenant_key(tenant: str) -> int:
+    from server.tenants import new_tenant_key
+
+    try:
+        key, line = new_tenant_key(tenant)
+    except ValueError as exc:
+        print(f"brine tenant-key: {exc}", file=sys.stderr)
+        return 2
+    print(f"API key (shown once, give it to the tenant): {key}")
+    print("Line for the --tenants file:")
+    print(line)
+    return 0
 
 
 def api_keys(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:
@@ -173,6 +226,8 @@ def engine_config(args: argparse.Namespace, stat_loggers: list[Any]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "tenant-key":
+        return tenant_key(args.tenant)
     if args.command != "serve":
         parser.print_help()
         return 2

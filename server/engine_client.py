@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kv_cache.namespace import CacheNamespace, Owner
 
 
 class TokenizerLike(Protocol):
@@ -42,7 +43,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        cache_salt: str | None = None,
+        namespace: CacheNamespace | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -50,6 +51,8 @@ class EngineClient(Protocol):
     def is_healthy(self) -> bool: ...
 
     def reset_prefix_cache(self) -> bool: ...
+
+    def forget_prefix_cache(self, owner: Owner) -> int: ...
 
     def num_used_blocks(self) -> int: ...
 

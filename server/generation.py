@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError, bad_request, error_body
 from server.params import CONTEXT_LENGTH_CODE
@@ -64,14 +65,14 @@ class OutputStream:
         prompts: list[list[int]],
         params: SamplingParams,
         request_id: str,
-        cache_salt: str | None,
+        namespace: CacheNamespace | None,
     ) -> None:
         self._engine = engine
         self.request_ids = (
             [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
         self._gens = [
-            engine.generate(p, params, request_id=rid, cache_salt=cache_salt)
+            engine.generate(p, params, request_id=rid, namespace=namespace)
             for p, rid in zip(prompts, self.request_ids, strict=True)
         ]
         self._finished = [False] * len(prompts)

@@ -25,6 +25,17 @@ def _prefix_caching_summary(requested: bool, enabled: bool) -> str:
     return "prefix caching: off (--no-enable-prefix-caching)"
 
 
+def _tenancy(args: argparse.Namespace, api_keys: list[str]) -> Any:
+    """The TenancyConfig the flags ask for; ValueError (a message naming the file and line) if unusable."""
+    from server.tenancy import TenancyConfig
+    from server.tenants import key_hash, load_tenants
+
+    tenants = load_tenants(args.tenants) if args.tenants else None
+    if tenants is not None and any(key_hash(k) in tenants for k in api_keys):
+        raise ValueError("a key given with --api-key or BRINE_API_KEY is also a tenant's key in --tenants")
+    return TenancyConfig(tenants, args.salt_header, args.require_cache_salt)
+
+
 def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
@@ -37,7 +48,15 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     from metrics.prometheus import PrometheusStatLogger
     from server.app import create_app
     from server.cli import engine_config
+    from server.public_prefix import read_public_prefix, render_public_prefix
 
+    # Configuration files first: a bad line refuses to start before the (slow) model load.
+    try:
+        tenancy = _tenancy(args, api_keys)
+        prefixes = [read_public_prefix(p) for p in args.public_prefix]
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 1
     try:
         # Resolve once here (the stat loggers need the served name before the engine exists), then hand the
         # engine the resolved directory so it does not resolve (or convert) again.
@@ -56,6 +75,21 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
         logger.error("could not start the engine: %s", exc)
         return 1
     try:
+        if prefixes:
+            try:
+                public = [render_public_prefix(engine.tokenizer, p) for p in prefixes]
+            except ValueError as exc:
+                logger.error("%s", exc)
+                return 1
+            engine.set_public_prefixes(public)
+            for p, tokens in zip(prefixes, public, strict=True):
+                logger.info(
+                    "public prefix %s (%s): %d tokens, %d full KV blocks shared by every tenant",
+                    p.path,
+                    p.kind,
+                    len(tokens),
+                    len(tokens) // engine.block_size,
+                )
         logger.info(
             "serving %s: max_model_len %d, %s, %s",
             engine.model_name,
@@ -69,7 +103,20 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
             args.host,
             args.port,
         )
-        app = create_app(engine, api_keys=api_keys, metrics=prometheus)
+        if tenancy.tenants is not None:
+            # Counts only: the log never names a tenant.
+            logger.info(
+                "tenants: %d tenant(s), %d key(s) from %s%s",
+                len(set(tenancy.tenants.values())),
+                len(tenancy.tenants),
+                args.tenants,
+                "" if api_keys else "; no operator key, so /metrics and a global reset are unreachable",
+            )
+        if tenancy.salt_header:
+            logger.info(
+                "cache namespace from the %s header (trusted: a gateway must set it)", tenancy.salt_header
+            )
+        app = create_app(engine, api_keys=api_keys, metrics=prometheus, tenancy=tenancy)
         # Access logs carry method, path and status only: request bodies (and their cache_salt) never
         # reach a log.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

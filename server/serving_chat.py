@@ -22,6 +22,7 @@ from server.params import check_chat_features, check_model, sampling_params
 from server.prompts import render_chat
 from server.protocol import ChatCompletionRequest
 from server.responses import TokenTexts, chat_logprobs, finish_reason, new_id, now, usage
+from server.tenancy import request_namespace
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ async def create_chat_completion(
 ) -> Response:
     """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
     salt = req.cache_salt
+    namespace = request_namespace(request, salt)
     check_model(req.model, engine.model_name)
     check_chat_features(req)
     # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
@@ -83,7 +85,7 @@ async def create_chat_completion(
         texts=TokenTexts(engine.tokenizer),
         num_prompt_tokens=len(prompt),
     )
-    stream = OutputStream(engine, [prompt], params, ctx.id, salt)
+    stream = OutputStream(engine, [prompt], params, ctx.id, namespace)
     await unless_disconnected(request, stream.start())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

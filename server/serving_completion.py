@@ -21,6 +21,7 @@ from server.params import check_completion_features, check_model, sampling_param
 from server.prompts import completion_prompts
 from server.protocol import CompletionRequest
 from server.responses import CompletionLogprobs, TokenTexts, finish_reason, new_id, now, usage
+from server.tenancy import request_namespace
 
 
 @dataclass(slots=True)
@@ -120,6 +121,7 @@ def _final_reason(reason: FinishReason | None) -> str:
 async def create_completion(engine: EngineClient, req: CompletionRequest, request: Request) -> Response:
     """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
     salt = req.cache_salt
+    namespace = request_namespace(request, salt)
     check_model(req.model, engine.model_name)
     check_completion_features(req)
     vocab = vocab_size(engine.tokenizer)
@@ -133,7 +135,7 @@ async def create_completion(engine: EngineClient, req: CompletionRequest, reques
         vocab_size=vocab,
     )
     state = _Completion(engine, req, prompts, params.n)
-    stream = OutputStream(engine, prompts, params, state.id, salt)
+    stream = OutputStream(engine, prompts, params, state.id, namespace)
     await unless_disconnected(request, stream.start())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

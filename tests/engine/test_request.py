@@ -6,6 +6,7 @@ from engine.outputs import FinishReason, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from kv_cache.manager import KVCacheManager
+from kv_cache.namespace import CacheNamespace
 
 
 def test_block_hashes_grow_with_generated_tokens_and_match_a_fresh_request():
@@ -22,8 +23,9 @@ def test_block_hashes_grow_with_generated_tokens_and_match_a_fresh_request():
 
 def test_salt_changes_every_block_hash_and_caching_off_hashes_nothing():
     kv = KVCacheManager(16, 4)
+    salt = CacheNamespace(salt="tenant")
     plain = Request("a", list(range(12)), SamplingParams(), hasher=kv.make_hasher())
-    salted = Request("b", list(range(12)), SamplingParams(), "tenant", hasher=kv.make_hasher("tenant"))
+    salted = Request("b", list(range(12)), SamplingParams(), salt, hasher=kv.make_hasher(salt))
     assert not set(plain.block_hashes) & set(salted.block_hashes)
     off = KVCacheManager(16, 4, enable_caching=False)
     assert Request("c", list(range(12)), SamplingParams(), hasher=off.make_hasher()).block_hashes == []

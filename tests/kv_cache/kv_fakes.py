@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_cache import BlockHash, BlockHasher, ComputedBlocks, KVCacheManager
+from kv_cache import BlockHash, BlockHasher, CacheNamespace, ComputedBlocks, KVCacheManager
 
 
 @dataclass
@@ -35,7 +35,8 @@ class FakeRequest:
 def make_req(
     mgr: KVCacheManager, rid: str, tokens: list[int] | range, salt: str | None = None, **kw: object
 ) -> FakeRequest:
-    return FakeRequest(rid, list(tokens), mgr.make_hasher(salt), **kw)  # type: ignore[arg-type]
+    namespace = CacheNamespace(salt=salt) if salt is not None else None
+    return FakeRequest(rid, list(tokens), mgr.make_hasher(namespace, list(tokens)), **kw)  # type: ignore[arg-type]
 
 
 def admit(

@@ -167,11 +167,11 @@ def test_none_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 _CHILD = """
 import json, sys
-from kv_cache import KVCacheManager
+from kv_cache import CacheNamespace, KVCacheManager
 out = {}
 for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
     hashes = []
-    KVCacheManager(4, 16, hash_algo=algo).make_hasher("salt").extend(hashes, list(range(64)))
+    KVCacheManager(4, 16, hash_algo=algo).make_hasher(CacheNamespace(salt="salt")).extend(hashes, list(range(64)))
     out[algo] = [h.hex() for h in hashes]
 print(json.dumps(out))
 """

@@ -9,6 +9,7 @@ from kv_cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    CacheNamespace,
     ComputedBlocks,
     KVCacheManager,
     PrefixCacheStats,
@@ -210,7 +211,7 @@ def test_same_salt_hits_and_other_salts_miss_at_every_block() -> None:
 
 def test_caching_disabled_hashes_nothing_and_never_hits() -> None:
     mgr = KVCacheManager(6, 4, enable_caching=False, enable_events=True)
-    assert mgr.make_hasher() is None and mgr.make_hasher("salt") is None
+    assert mgr.make_hasher() is None and mgr.make_hasher(CacheNamespace(salt="salt")) is None
     a = make_req(mgr, "a", range(10))
     assert a.block_hashes == []
     assert admit(mgr, a) == (ComputedBlocks([], 0), [0, 1, 2])

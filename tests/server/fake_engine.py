@@ -7,7 +7,8 @@ What it keeps faithful to the agreed AsyncEngine contract:
 - Stop strings are removed from the text (partial matches held back), stop token ids / EOS end a sequence
   (respecting min_tokens and ignore_eos), max_tokens gives finish_reason LENGTH.
 - KV accounting: a request holds ceil(tokens / block_size) blocks while it runs; full blocks are cached
-  under (salt, every token up to the block's end), so a hit needs the same salt and the same whole prefix;
+  under (namespace, every token up to the block's end), so a hit needs the same namespace and the same whole
+  prefix; `forget_prefix_cache(owner)` drops the blocks of namespaces with that owner (no public prefixes);
   a hit is capped at prompt_len - 1 and skipped when prompt logprobs are asked for.
 - A consumer that stops iterating (aclose, cancellation) aborts the request and frees its blocks.
 Generated text is deterministic: greedy or seeded requests with the same prompt produce the same text.
@@ -27,6 +28,7 @@ from fake_tokenizer import EOS_ID, FakeTokenizer
 from engine.async_engine import EngineDeadError
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from kv_cache.namespace import CacheNamespace, Owner
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
@@ -36,7 +38,11 @@ class GenerateCall:
     prompt_token_ids: list[int]
     params: SamplingParams
     request_id: str
-    cache_salt: str | None
+    namespace: CacheNamespace | None
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.namespace.salt if self.namespace is not None else None
 
 
 @dataclass(slots=True)
@@ -78,7 +84,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self._abort_flags: set[str] = set()
         self._held: dict[str, int] = {}  # request id -> blocks in use
-        self._cached: set[tuple[str | None, tuple[int, ...]]] = set()
+        self._cached: set[tuple[CacheNamespace | None, tuple[int, ...]]] = set()
         self.running: set[str] = set()
 
     # ---- the AsyncEngine surface ---------------------------------------------------------------------
@@ -89,7 +95,7 @@ class FakeEngine:
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        cache_salt: str | None = None,
+        namespace: CacheNamespace | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise EngineDeadError("fake engine is dead")
@@ -104,8 +110,8 @@ class FakeEngine:
         if -(-len(prompt) // self.block_size) > self.num_blocks:
             raise ValueError("the prompt can never fit the KV cache")
         rid = request_id or uuid.uuid4().hex
-        self.calls.append(GenerateCall(prompt, params, rid, cache_salt))
-        cached = self._lookup(prompt, cache_salt, params)
+        self.calls.append(GenerateCall(prompt, params, rid, namespace))
+        cached = self._lookup(prompt, namespace, params)
         self.running.add(rid)
         self._held[rid] = self._blocks(len(prompt)) * params.n
         seqs = [_Seq(i, self._rng(prompt, params, i)) for i in range(params.n)]
@@ -132,7 +138,7 @@ class FakeEngine:
                 outs = [self._step(s, prompt, params, max_tokens) for s in seqs if s.finish is None]
                 finished = all(s.finish is not None for s in seqs)
                 if finished:  # blocks are freed in the step that finishes the request, as in the engine
-                    self._release(rid, prompt, seqs, cache_salt)
+                    self._release(rid, prompt, seqs, namespace)
                     self._held.pop(rid, None)
                     self.running.discard(rid)
                 yield RequestOutput(
@@ -158,6 +164,11 @@ class FakeEngine:
         self._cached.clear()
         return True
 
+    def forget_prefix_cache(self, owner: Owner) -> int:
+        mine = {key for key in self._cached if key[0] is not None and key[0].owner == owner}
+        self._cached -= mine
+        return len(mine)
+
     def num_used_blocks(self) -> int:
         return sum(self._held.values())
 
@@ -169,7 +180,7 @@ class FakeEngine:
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _lookup(self, prompt: list[int], salt: str | None, params: SamplingParams) -> int:
+    def _lookup(self, prompt: list[int], salt: CacheNamespace | None, params: SamplingParams) -> int:
         if not self.enable_prefix_caching or params.prompt_logprobs is not None:
             return 0
         hit = 0
@@ -179,7 +190,7 @@ class FakeEngine:
             hit += self.block_size
         return hit
 
-    def _release(self, rid: str, prompt: list[int], seqs: list[_Seq], salt: str | None) -> None:
+    def _release(self, rid: str, prompt: list[int], seqs: list[_Seq], salt: CacheNamespace | None) -> None:
         if not self.enable_prefix_caching:
             return
         for seq in seqs:
