@@ -11,14 +11,16 @@ from __future__ import annotations
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kv_fakes import FakeRequest, make_req, snapshot
+from kv_fakes import FakeRequest, snapshot
 
-from kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager
+from kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, CacheNamespace, KVCacheManager
 
 BS = 4
 NUM_BLOCKS = 8
 # Shared prefixes make hits likely; a tiny vocabulary makes identical blocks at different depths likely.
 PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 0, 0, 0, 0, 1]]
+PUBLIC = [[1, 2, 3, 4, 5, 6]]  # a declared public prefix: one full block, then a straddling one
+TENANT = CacheNamespace(tenant="t")
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -26,7 +28,9 @@ class KVMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(NUM_BLOCKS, BS, enable_caching=self.enable_caching, enable_events=True)
+        self.mgr = KVCacheManager(
+            NUM_BLOCKS, BS, enable_caching=self.enable_caching, enable_events=True, public_prefixes=PUBLIC
+        )
         self.waiting: list[FakeRequest] = []
         self.running: list[FakeRequest] = []
         self.pages: list[list[int | None]] = [[None] * BS for _ in range(NUM_BLOCKS)]
@@ -63,12 +67,13 @@ class KVMachine(RuleBasedStateMachine):
     @rule(
         prefix=st.sampled_from(PREFIXES),
         tail=st.lists(st.integers(0, 3), max_size=14),
-        salt=st.sampled_from([None, None, "a"]),
+        ns=st.sampled_from([None, None, CacheNamespace(salt="a"), TENANT]),
         skip=st.sampled_from([False, False, False, True]),
     )
-    def add_request(self, prefix: list[int], tail: list[int], salt: str | None, skip: bool) -> None:
+    def add_request(self, prefix: list[int], tail: list[int], ns: CacheNamespace | None, skip: bool) -> None:
         tokens = prefix + tail or [0]
-        req = make_req(self.mgr, f"r{self.next_id}", tokens, salt, skip_reading_prefix_cache=skip)
+        hasher = self.mgr.make_hasher(ns, tokens)
+        req = FakeRequest(f"r{self.next_id}", tokens, hasher, skip_reading_prefix_cache=skip)
         self.next_id += 1
         self._note_hashes(req)
         self.waiting.append(req)
@@ -117,6 +122,12 @@ class KVMachine(RuleBasedStateMachine):
             req.num_computed_tokens = 0
             req.num_preemptions += 1
             self.waiting.append(req)
+
+    @rule()
+    def forget_tenant(self) -> None:
+        """A tenant's reset: allowed while its requests run; afterwards none of its blocks is cached."""
+        self.mgr.forget(("tenant", "t"))
+        assert ("tenant", "t") not in self.mgr.block_pool.block_owner
 
     @rule()
     def reset(self) -> None:
