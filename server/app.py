@@ -170,7 +170,23 @@ def create_app(
 
     @app.post("/reset_prefix_cache", operation_id="resetPrefixCache")
     async def reset_prefix_cache(request: Request) -> dict:
+        # ?scope=tenant|global; the default is the caller's own: a tenant's (or the gateway header's)
+        # namespace, else everything. Only the operator may reset everything.
+        scope = request.query_params.get("scope")
+        if scope not in (None, "tenant", "global"):
+            raise bad_request('scope must be "tenant" or "global".', "scope")
         owner = request_owner(request)
+        if owner is not None and scope == "global":
+            raise APIError(
+                "Only the server's operator can reset the whole prefix cache; this resets your own blocks "
+                "without scope=global.",
+                status=403,
+                code="permission_denied",
+            )
+        if owner is None and scope == "tenant":
+            raise bad_request(
+                "A tenant-scoped reset needs a tenant's API key (or the gateway header).", "scope"
+            )
         if owner is not None:
             # A tenant's reset: its own private blocks only, in use or not (never refused with a 409).
             forgotten = await anyio.to_thread.run_sync(engine.forget_prefix_cache, owner)

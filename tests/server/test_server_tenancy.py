@@ -242,3 +242,62 @@ def test_public_prefix_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
         with pytest.raises(PublicPrefixError) as exc:
             read_public_prefix(str(bad))
         assert str(bad) in str(exc.value)
+
+
+def test_reset_scope(tenant_client: TestClient, engine: FakeEngine) -> None:
+    r = tenant_client.post("/reset_prefix_cache?scope=global", headers=bearer(ACME))
+    assert_error(r, 403, code="permission_denied")
+    assert tenant_client.post("/reset_prefix_cache?scope=tenant", headers=bearer(ACME)).status_code == 200
+    assert_error(
+        tenant_client.post("/reset_prefix_cache?scope=tenant", headers=bearer(OPERATOR)), 400, "scope"
+    )
+    assert_error(tenant_client.post("/reset_prefix_cache?scope=all", headers=bearer(OPERATOR)), 400, "scope")
+    r = tenant_client.post("/reset_prefix_cache?scope=global", headers=bearer(OPERATOR))
+    assert r.json() == {"reset": True}
+    gateway = make_client(engine, salt_header="x-tenant")
+    r = gateway.post("/reset_prefix_cache?scope=global", headers={**bearer(OPERATOR), "x-tenant": "t"})
+    assert_error(r, 403, code="permission_denied")
+
+
+class _DriftingTokenizer:
+    """A template that puts a counter before the messages (like a date) or, once a user message follows,
+    something before the system message."""
+
+    def __init__(self, mode: str) -> None:
+        from fake_tokenizer import FakeTokenizer
+
+        self.inner = FakeTokenizer()
+        self.mode = mode
+        self.calls = 0
+        self.eos_token_ids = self.inner.eos_token_ids
+
+    def encode(self, text: str, **kw: object) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(ids)
+
+    def apply_chat_template(self, messages: list[dict], **kw: object) -> str:
+        self.calls += 1
+        text = self.inner.apply_chat_template(messages, **kw)  # type: ignore[arg-type]
+        if self.mode == "variable":
+            return f"call {self.calls}\n" + text
+        return ("preamble\n" if len(messages) > 1 else "") + text
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"), [("variable", "differently each time"), ("insert", "not share it")]
+)
+def test_template_drift_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: str, says: str
+) -> None:
+    path = tmp_path / "system.json"
+    path.write_text('[{"role": "system", "content": "You are the ACME assistant."}]')
+    caplog.set_level(logging.WARNING, logger="brine.serve")
+    render_public_prefix(_DriftingTokenizer(mode), read_public_prefix(str(path)))  # type: ignore[arg-type]
+    assert says in caplog.text and str(path) in caplog.text
+    caplog.clear()
+    from fake_tokenizer import FakeTokenizer
+
+    render_public_prefix(FakeTokenizer(), read_public_prefix(str(path)))
+    assert caplog.text == ""
