@@ -86,6 +86,7 @@ class FakeEngine:
         self._held: dict[str, int] = {}  # request id -> blocks in use
         self._cached: set[tuple[CacheNamespace | None, tuple[int, ...]]] = set()
         self.running: set[str] = set()
+        self.public_prefixes: list[list[int]] = []  # recorded only: the fake shares no public blocks
 
     # ---- the AsyncEngine surface ---------------------------------------------------------------------
 
@@ -168,6 +169,9 @@ class FakeEngine:
         mine = {key for key in self._cached if key[0] is not None and key[0].owner == owner}
         self._cached -= mine
         return len(mine)
+
+    def set_public_prefixes(self, prefixes: list[list[int]]) -> None:
+        self.public_prefixes = [list(p) for p in prefixes]
 
     def num_used_blocks(self) -> int:
         return sum(self._held.values())

@@ -80,7 +80,8 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--host", "--port", "--enable-prefix-caching", "--no-enable-prefix-caching", "--block-size",
         "--prefix-caching-hash-algo", "--kv-cache-memory", "--num-kv-blocks", "--max-num-seqs",
         "--max-num-batched-tokens", "--max-model-len", "--dtype", "--device", "--served-model-name",
-        "--api-key", "--log-level", "cache_salt", "BRINE_API_KEY",
+        "--api-key", "--log-level", "cache_salt", "BRINE_API_KEY", "--tenants", "--salt-header",
+        "--require-cache-salt", "--public-prefix",
     ):  # fmt: skip
         assert flag in text, flag
 
@@ -154,3 +155,45 @@ def test_serve_reports_a_missing_model(
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
     assert cli.main(["serve", "nope"]) == 1
     assert "cannot find model 'nope'" in caplog.text
+
+
+def test_serve_with_tenants_and_public_prefixes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    from server.tenants import key_hash
+
+    fake = FakeEngine(model_name="served", num_blocks=10, block_size=4)
+    monkeypatch.setattr(model_files, "resolve_model", lambda n: model_files.ModelFiles("x", tmp_path, "src"))
+    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config: fake))
+    seen: dict[str, Any] = {}
+
+    def run(app: Any, host: str, port: int, log_level: str) -> None:
+        client = TestClient(app)
+        seen["tenant_metrics"] = client.get("/metrics", headers={"Authorization": "Bearer tk"}).status_code
+        seen["tenant_models"] = client.get("/v1/models", headers={"Authorization": "Bearer tk"}).status_code
+
+    monkeypatch.setattr("uvicorn.run", run)
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    caplog.set_level(logging.INFO, logger="brine.serve")
+    tenants = tmp_path / "tenants.txt"
+    tenants.write_text(f"acme-corp {key_hash('tk')}\n")
+    system = tmp_path / "system.json"
+    system.write_text('[{"role": "system", "content": "You are the assistant of a shop."}]')
+    text = tmp_path / "manual.txt"
+    text.write_text("The manual says:\n")
+    argv = ["serve", "--api-key", "op", "--tenants", str(tenants), "--public-prefix", str(system),
+            "--public-prefix", str(text)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert len(fake.public_prefixes) == 2 and all(fake.public_prefixes)
+    assert seen == {"tenant_metrics": 403, "tenant_models": 200}
+    assert "1 tenant(s), 1 key(s)" in caplog.text and "acme-corp" not in caplog.text
+    assert "public prefix" in caplog.text
+    # A key that is both the operator's and a tenant's, and a malformed line, refuse to start.
+    assert cli.main(["serve", "--api-key", "tk", "--tenants", str(tenants)]) == 1
+    tenants.write_text("acme-corp\n")
+    caplog.clear()
+    assert cli.main(["serve", "--tenants", str(tenants)]) == 1
+    assert "line 1" in caplog.text
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli.main(["serve", "--public-prefix", str(bad)]) == 1
