@@ -9,6 +9,10 @@ request; then each workload runs on each server in turn, with the same seed, and
 llama-cpp-python is used when benchmarks/.venv-llamacpp has it (`python -m venv benchmarks/.venv-llamacpp &&
 benchmarks/.venv-llamacpp/bin/pip install 'llama-cpp-python[server]'`); otherwise it is skipped and the
 report says so. `--external NAME=URL` benchmarks servers that are already running instead.
+
+The `shared-system-prompt` workload (tenants' API keys behind one public system prompt) runs on two servers of
+its own, both started with its `--tenants` file: `brine-tenants-public-prefix` also declares the system prompt
+with `--public-prefix`, `brine-tenants` does not; the report compares them.
 """
 
 from __future__ import annotations
@@ -39,12 +43,21 @@ import httpx
 
 from benchmarks.report import charts, markdown, ratios, summarize
 from benchmarks.serve_bench import WorkloadResult, run_workload, to_json
-from benchmarks.workloads import build
+from benchmarks.workloads import TENANT_WORKLOADS, build, write_server_files
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMACPP_PYTHON = ROOT / "benchmarks" / ".venv-llamacpp" / "bin" / "python"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ORDER = ("doc-qa", "tenants", "prefix-repetition", "unique", "isolation", "prefix-sweep")
+ORDER = (
+    "doc-qa",
+    "tenants",
+    "prefix-repetition",
+    "unique",
+    "isolation",
+    "prefix-sweep",
+    "shared-system-prompt",
+)
+OPERATOR_KEY = "bench-operator-key"  # the tenant servers' --api-key: /metrics is the operator's
 # Sizes chosen so three servers x six workloads finish in well under 20 minutes on a 2-core CPU.
 PRESETS: dict[str, dict[str, dict]] = {
     "default": {
@@ -54,6 +67,12 @@ PRESETS: dict[str, dict[str, dict]] = {
         "unique": {"num_requests": 8, "prompt_tokens": 500, "concurrency": 4},
         "isolation": {"doc_tokens": 1000},
         "prefix-sweep": {"lengths": (256, 512, 1024, 2048)},
+        "shared-system-prompt": {
+            "num_tenants": 8,
+            "system_tokens": 1500,
+            "context_tokens": 200,
+            "questions": 3,
+        },
     },
     "tiny": {
         "doc-qa": {"doc_tokens": 100, "questions": 3, "max_tokens": 4},
@@ -68,6 +87,13 @@ PRESETS: dict[str, dict[str, dict]] = {
         "unique": {"num_requests": 3, "prompt_tokens": 60, "concurrency": 2, "max_tokens": 4},
         "isolation": {"doc_tokens": 100, "max_tokens": 4},
         "prefix-sweep": {"lengths": (64, 128), "max_tokens": 4},
+        "shared-system-prompt": {
+            "num_tenants": 3,
+            "system_tokens": 100,
+            "context_tokens": 30,
+            "questions": 2,
+            "max_tokens": 4,
+        },
     },
 }
 
@@ -78,6 +104,12 @@ class ServerSpec:
     base_url: str
     cmd: list[str] | None = None  # None: already running (--external)
     notes: list[str] = field(default_factory=list)
+    # The workloads it runs: None for every workload but the tenant ones (their keys are unknown elsewhere).
+    only: tuple[str, ...] | None = None
+    api_key: str | None = None  # the operator key it was started with
+
+    def runs(self, workload: str) -> bool:
+        return workload in self.only if self.only is not None else workload not in TENANT_WORKLOADS
 
 
 def free_port() -> int:
@@ -103,6 +135,24 @@ def brine_spec(caching: bool) -> ServerSpec:
     return ServerSpec(
         name, f"http://127.0.0.1:{port}", [*base, "serve", "--host", "127.0.0.1", "--port", str(port), flag]
     )
+
+
+def tenant_specs(tenants: Path, public_prefix: Path | None) -> list[ServerSpec]:
+    """Brine with the tenants workload's keys, with and without its system prompt declared public."""
+    exe = ROOT / ".venv" / "bin" / "brine"
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "server.cli"]
+    specs = []
+    for name, extra in (("brine-tenants-public-prefix", ["--public-prefix", str(public_prefix)]),
+                        ("brine-tenants", [])):  # fmt: skip
+        if public_prefix is None and extra:
+            continue
+        port = free_port()
+        cmd = [*base, "serve", "--host", "127.0.0.1", "--port", str(port), "--api-key", OPERATOR_KEY,
+               "--tenants", str(tenants), *extra]  # fmt: skip
+        specs.append(
+            ServerSpec(name, f"http://127.0.0.1:{port}", cmd, only=TENANT_WORKLOADS, api_key=OPERATOR_KEY)
+        )
+    return specs
 
 
 def llamacpp_spec(threads: int) -> ServerSpec | str:
@@ -136,8 +186,9 @@ def wait_ready(spec: ServerSpec, proc: subprocess.Popen | None, log: Path | None
             raise RuntimeError(
                 f"{spec.name} exited with {proc.returncode}: {log.read_text()[-2000:] if log else ''}"
             )
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else None
         try:
-            if httpx.get(f"{spec.base_url}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{spec.base_url}/v1/models", timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -179,16 +230,20 @@ def bench_all(
                 continue
             # One short request first: the first forward pays one-off costs (allocation, kernel selection).
             warm = build("unique", args.seed + 999, num_requests=1, prompt_tokens=32, max_tokens=4)
-            asyncio.run(run_workload(spec.base_url, warm, server=spec.name, progress=False))
+            asyncio.run(
+                run_workload(spec.base_url, warm, server=spec.name, progress=False, api_key=spec.api_key)
+            )
             ready.append(spec)
         for name in args.workloads:
             for spec in ready:
+                if not spec.runs(name):
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     notes.append(f"time budget spent: {spec.name} {name} skipped")
                     continue
                 wl = build(name, args.seed, **PRESETS[args.preset][name])
-                results.append(asyncio.run(run_workload(spec.base_url, wl, server=spec.name,
+                results.append(asyncio.run(run_workload(spec.base_url, wl, server=spec.name, api_key=spec.api_key,
                                                         time_limit_s=min(args.time_limit, left))))  # fmt: skip
     finally:
         for proc in procs.values():
@@ -200,7 +255,7 @@ def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--workloads", default=",".join(ORDER), help="comma-separated, from: " + ", ".join(ORDER))
-    p.add_argument("--servers", default="brine,brine-no-cache,llama-cpp")
+    p.add_argument("--servers", default="brine,brine-no-cache,llama-cpp,brine-tenants")
     p.add_argument(
         "--external", action="append", default=[], metavar="NAME=URL", help="use running servers only"
     )
@@ -230,6 +285,11 @@ def main(argv: list[str] | None = None) -> Path:
                 specs.append(llama)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="brine-bench-"))  # server logs: not results, kept out of the repo
+    tenant_workloads = [w for w in args.workloads if w in TENANT_WORKLOADS]
+    if not args.external and "brine-tenants" in args.servers.split(",") and tenant_workloads:
+        # The servers must know the workload's keys and prompt: build it now (same seed and sizes as later).
+        wl = build(tenant_workloads[0], args.seed, **PRESETS[args.preset][tenant_workloads[0]])
+        specs += tenant_specs(*write_server_files(wl, log_dir))
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
     started = time.monotonic()
     deadline = started + args.budget

@@ -71,6 +71,8 @@ def summarize(r: WorkloadResult) -> dict:
         "cache_queries": r.cache_queries,
         "cache_hits": r.cache_hits,
         "hit_rate": r.hit_rate,
+        "kv_usage_peak": r.kv_usage_peak,
+        "cached_blocks_end": None if r.cached_blocks_end is None else int(r.cached_blocks_end),
     }
 
 
@@ -188,10 +190,50 @@ def markdown(summaries: list[dict], header: str) -> str:
             ratio = b / cold if b is not None and cold else None
             lines.append(f"| {s['server']} | {fmt(cold, ' s')} | {fmt(t.get('warm'), ' s')} | {fmt(b, ' s')} | "
                          f"{fmt(ratio, 'x', 2)} | {fmt(c.get('other-tenant'))} |")  # fmt: skip
+    lines += shared_prompt_table(summaries)
     errors = [(s["server"], s["workload"], e) for s in summaries for e in s["errors"]]
     if errors:
         lines += ["", "Errors (first few):", ""] + [f"- {srv} / {wl}: `{e}`" for srv, wl, e in errors]
     return "\n".join(lines) + "\n"
+
+
+def shared_prompt_table(summaries: list[dict]) -> list[str]:
+    """The shared-system-prompt workload: first-request TTFT of tenants 2..N and the KV it takes, with and
+    without the system prompt declared public ([] when it did not run)."""
+    rows = [s for s in summaries if s["workload"] == "shared-system-prompt"]
+    if not rows:
+        return []
+    p = rows[0]["params"]
+    lines = ["", f"Shared system prompt: {p.get('tenants')} tenants, each with its own API key, behind one "
+             f"~{p.get('system_tokens')}-token system prompt, each with its own ~{p.get('context_tokens')}-token "
+             f"context, {p.get('questions')} questions each. First questions one at a time, the rest all at once. "
+             "Cached tokens are the mean over tenants 2.. first requests; peak KV usage is the highest "
+             "`brine_kv_cache_usage_perc` sampled during the run; cached blocks is `brine_num_cached_blocks` "
+             "at its end.", "",
+             "| server | tenant 1 first TTFT | tenants 2.. first TTFT | their cached tokens | later TTFT "
+             "| peak KV usage | cached blocks at end |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    by = {}
+    for s in rows:
+        t, c = s["ttft_mean_by_tag"], s["cached_tokens_by_tag"]
+        n_other = max(1, (p.get("tenants") or 2) - 1)
+        other_cached = c.get("first-other")
+        by[s["server"]] = s
+        lines.append(
+            f"| {s['server']} | {fmt(t.get('first-tenant-1'), ' s')} | {fmt(t.get('first-other'), ' s')} | "
+            f"{fmt(None if other_cached is None else other_cached / n_other)} | {fmt(t.get('later'), ' s')} | "
+            f"{pct(s['kv_usage_peak'])} | {fmt(s['cached_blocks_end'])} |"
+        )
+    shared, private = by.get("brine-tenants-public-prefix"), by.get("brine-tenants")
+    if shared and private:
+        ttft = _div(
+            shared["ttft_mean_by_tag"].get("first-other"), private["ttft_mean_by_tag"].get("first-other")
+        )
+        kv = _div(shared["kv_usage_peak"], private["kv_usage_peak"])
+        blocks = _div(shared["cached_blocks_end"], private["cached_blocks_end"])
+        lines += ["", f"With `--public-prefix` / without: tenants 2.. first TTFT {fmt(ttft, 'x')}, peak KV usage "
+                  f"{fmt(kv, 'x')}, cached blocks at the end {fmt(blocks, 'x')}."]  # fmt: skip
+    return lines
 
 
 def charts(summaries: list[dict], results: list[WorkloadResult], out_prefix: Path) -> list[Path]:

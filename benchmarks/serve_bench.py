@@ -4,7 +4,8 @@ Per request: time to first token (TTFT), inter-token latencies, end-to-end laten
 completion tokens (from the final usage chunk where the server sends one). A request counts as ok only when
 its stream ends with a finish_reason and carries no error event. Around the run it reads the
 server's `/metrics` and, where the `brine_prefix_cache_*` counters exist, reports the run's prefix-cache hit
-rate as delta hits / delta queries. Runs are bounded: a workload's request count, and a time limit after which
+rate as delta hits / delta queries; workloads that ask (`sample_kv`) also get the peak of
+`brine_kv_cache_usage_perc` while they run and `brine_num_cached_blocks` at their end. Runs are bounded: a workload's request count, and a time limit after which
 no new request starts.
 
     python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --workload doc-qa
@@ -20,6 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -29,7 +31,14 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from benchmarks.workloads import WORKLOADS, BenchRequest, Workload, build
+from benchmarks.workloads import (
+    TENANT_WORKLOADS,
+    WORKLOADS,
+    BenchRequest,
+    Workload,
+    build,
+    write_server_files,
+)
 
 CACHE_COUNTERS = ("brine_prefix_cache_queries_total", "brine_prefix_cache_hits_total")
 
@@ -60,6 +69,8 @@ class WorkloadResult:
     requests: list[RequestResult]
     cache_queries: float | None = None  # delta of brine_prefix_cache_queries_total over the run
     cache_hits: float | None = None
+    kv_usage_peak: float | None = None  # highest brine_kv_cache_usage_perc seen while it ran (sample_kv)
+    cached_blocks_end: float | None = None  # brine_num_cached_blocks once it finished (sample_kv)
 
     @property
     def hit_rate(self) -> float | None:
@@ -89,6 +100,22 @@ async def read_cache_counters(client: httpx.AsyncClient, base_url: str) -> tuple
     return found[CACHE_COUNTERS[0]], found[CACHE_COUNTERS[1]]
 
 
+async def read_gauges(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """brine_kv_cache_usage_perc and brine_num_cached_blocks from /metrics ({} when not there)."""
+    try:
+        r = await client.get(f"{base_url}/metrics", timeout=10)
+        if r.status_code != 200:
+            return {}
+        return {
+            s.name: s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+            if s.name in ("brine_kv_cache_usage_perc", "brine_num_cached_blocks")
+        }
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 async def send(
     client: httpx.AsyncClient, base_url: str, model: str, req: BenchRequest, api: str, t0: float
 ) -> RequestResult:
@@ -96,7 +123,8 @@ async def send(
     body: dict = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
                   "stream_options": {"include_usage": True}}  # fmt: skip
     if api == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        system = [{"role": "system", "content": req.system}] if req.system is not None else []
+        body["messages"] = [*system, {"role": "user", "content": req.prompt}]
     else:
         body["prompt"] = req.prompt
     if req.salt is not None:
@@ -108,7 +136,8 @@ async def send(
     chunks = 0
     finish_reason: str | None = None
     try:
-        async with client.stream("POST", url, json=body) as r:
+        headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else None
+        async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return res
@@ -164,36 +193,62 @@ async def run_workload(
     time_limit_s: float = 600.0,
     request_timeout_s: float = 300.0,
     progress: bool = True,
+    api_key: str | None = None,
 ) -> WorkloadResult:
-    """Send the workload's requests in order, at most `workload.concurrency` in flight; none starts after
-    `time_limit_s` (those are left out of the result)."""
+    """Send the workload's requests in order, wave by wave, at most the wave's concurrency in flight; none
+    starts after `time_limit_s` (those are left out of the result). `api_key`: the operator's key, for
+    /v1/models, /metrics and requests that carry no key of their own."""
     base_url = base_url.rstrip("/")
-    async with httpx.AsyncClient(timeout=request_timeout_s) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    api = workload.api or api
+    async with httpx.AsyncClient(timeout=request_timeout_s, headers=headers) as client:
         if model is None:
             model = (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
         before = await read_cache_counters(client, base_url)
-        sem = asyncio.Semaphore(workload.concurrency)
+        waves = sorted({r.wave for r in workload.requests})
+        sems = {w: asyncio.Semaphore(workload.wave_concurrency.get(w, workload.concurrency)) for w in waves}
+        peak: list[float] = []
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            while not done.is_set():
+                usage = (await read_gauges(client, base_url)).get("brine_kv_cache_usage_perc")
+                if usage is not None:
+                    peak.append(usage)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), 0.2)
+
+        sampler = asyncio.ensure_future(sample()) if workload.sample_kv else None
         t0 = time.perf_counter()
         bar = tqdm(
             total=len(workload.requests), desc=f"{server or base_url} {workload.name}", disable=not progress
         )
 
         async def one(req: BenchRequest) -> RequestResult | None:
-            async with sem:  # acquired in submission order, so sequential workloads keep their order
+            async with sems[req.wave]:  # acquired in submission order, so sequential waves keep their order
                 if time.perf_counter() - t0 > time_limit_s:
                     return None
                 res = await send(client, base_url, model, req, api, t0)
                 bar.update(1)
                 return res
 
-        results = await asyncio.gather(*(one(r) for r in workload.requests))
+        results: list[RequestResult | None] = []
+        for w in waves:
+            results += await asyncio.gather(*(one(r) for r in workload.requests if r.wave == w))
         duration = time.perf_counter() - t0
         bar.close()
+        done.set()
+        if sampler is not None:
+            await sampler
+        gauges = await read_gauges(client, base_url) if workload.sample_kv else {}
         after = await read_cache_counters(client, base_url)
     out = WorkloadResult(workload.name, server, workload.params, workload.concurrency, duration,
                          [r for r in results if r is not None])  # fmt: skip
     if before is not None and after is not None:
         out.cache_queries, out.cache_hits = after[0] - before[0], after[1] - before[1]
+    if peak:
+        out.kv_usage_peak = max(peak)
+    out.cached_blocks_end = gauges.get("brine_num_cached_blocks")
     return out
 
 
@@ -204,7 +259,14 @@ def to_json(result: WorkloadResult) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--workload", choices=[*WORKLOADS, "prefix-sweep"], default="doc-qa")
+    p.add_argument("--workload", choices=[*WORKLOADS, "prefix-sweep", *TENANT_WORKLOADS], default="doc-qa")
+    p.add_argument("--api-key", default=None, help="the operator's key (for /metrics and /v1/models)")
+    p.add_argument(
+        "--write-server-files",
+        default=None,
+        metavar="DIR",
+        help="for a tenants workload: write its --tenants and --public-prefix files (for --seed) and exit",
+    )
     p.add_argument("--model", default=None, help="default: the first id at /v1/models")
     p.add_argument("--api", choices=["completions", "chat"], default="completions")
     p.add_argument("--seed", type=int, default=None, help="default: random (a cold start on a warm server)")
@@ -219,8 +281,17 @@ def main(argv: list[str] | None = None) -> None:
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     sizes = {k: int(v) for k, v in (s.split("=", 1) for s in args.size)}
     workload = build(args.workload, seed, **sizes)
+    if args.write_server_files:
+        from pathlib import Path
+
+        tenants, prefix = write_server_files(workload, Path(args.write_server_files))
+        print(
+            f"seed {seed}: brine serve --tenants {tenants}"
+            + (f" [--public-prefix {prefix}]" if prefix else "")
+        )
+        return
     result = asyncio.run(run_workload(args.base_url, workload, model=args.model, api=args.api,
-                                      time_limit_s=args.time_limit))  # fmt: skip
+                                      time_limit_s=args.time_limit, api_key=args.api_key))  # fmt: skip
     from benchmarks.report import summarize
 
     print(json.dumps({"seed": seed, **summarize(result)}, indent=2))

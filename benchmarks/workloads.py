@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 WORKLOADS = ("doc-qa", "tenants", "prefix-repetition", "unique", "isolation")
+# Workloads whose requests carry tenants' API keys: only a server started with their --tenants file runs them.
+TENANT_WORKLOADS = ("shared-system-prompt",)
 WORDS_PER_TOKEN = 0.75  # measured on SmolLM2's tokenizer with this vocabulary: ~1.33 tokens per word
 VOCAB = (
     "river stone garden lamp orbit copper violet engine harbor meadow signal canvas lantern prism thunder "
@@ -36,6 +39,9 @@ class BenchRequest:
     group: str = ""  # the shared prefix or tenant it belongs to
     salt: str | None = None  # sent as cache_salt when set
     max_tokens: int = 16
+    api_key: str | None = None  # sent as this request's bearer token (a tenant's key) when set
+    system: str | None = None  # a system message before the prompt (chat API only)
+    wave: int = 0  # waves run one after the other, each with its own concurrency (Workload.wave_concurrency)
 
 
 @dataclass(slots=True)
@@ -44,6 +50,12 @@ class Workload:
     requests: list[BenchRequest]
     concurrency: int = 1
     params: dict[str, int] = field(default_factory=dict)  # the sizes it was built with, for the report
+    wave_concurrency: dict[int, int] = field(default_factory=dict)  # per wave; default `concurrency`
+    api: str | None = None  # "chat" / "completions" when the workload needs one
+    # Sample brine_kv_cache_usage_perc while it runs (peak) and brine_num_cached_blocks at the end.
+    sample_kv: bool = False
+    tenant_keys: dict[str, str] = field(default_factory=dict)  # tenant id -> API key the requests use
+    public_prefix: list[dict[str, str]] | None = None  # chat messages a server may declare public
 
 
 def document(rng: random.Random, tokens: int, header: str) -> str:
@@ -178,10 +190,67 @@ def prefix_sweep(
     return Workload("prefix-sweep", reqs, 1, {"lengths": len(lengths)})
 
 
+def shared_system_prompt(
+    seed: int,
+    num_tenants: int = 8,
+    system_tokens: int = 1500,
+    context_tokens: int = 200,
+    questions: int = 3,
+    max_tokens: int = 16,
+) -> Workload:
+    """T tenants (each with its own API key) behind one public system prompt, each with its own private
+    context, asking Q questions (chat API).
+
+    Wave 0: every tenant's first question, one at a time (tenant 1's is cold; tenants 2..T show whether the
+    system prompt is shared). Wave 1: the remaining questions, all at once, so that the KV blocks in use show
+    how many copies of the system prompt the cache holds. Serve it with `--tenants` (and, to share the
+    prompt, `--public-prefix`) from `write_server_files`.
+    """
+    rng = random.Random(seed)
+    system = f"You are the assistant of shop {seed}. Answer from the context.\n" + document(
+        rng, system_tokens, f"shared-system-prompt {seed} system prompt"
+    )
+    keys = {f"bench-tenant-{t + 1}": f"sk-bench-{seed}-{t + 1}" for t in range(num_tenants)}
+    contexts = [
+        document(rng, context_tokens, f"shared-system-prompt {seed} tenant {t + 1}")
+        for t in range(num_tenants)
+    ]
+    reqs = []
+    for q in range(questions):
+        for t, key in enumerate(keys.values()):
+            tag = ("first-tenant-1" if t == 0 else "first-other") if q == 0 else "later"
+            reqs.append(BenchRequest(ask(contexts[t], question(q + t)), tag, f"tenant-{t + 1}", None, max_tokens,
+                                     api_key=key, system=system, wave=0 if q == 0 else 1))  # fmt: skip
+    params = {"tenants": num_tenants, "system_tokens": system_tokens, "context_tokens": context_tokens,
+              "questions": questions}  # fmt: skip
+    return Workload("shared-system-prompt", reqs, 1, params, wave_concurrency={1: num_tenants * (questions - 1)},
+                    api="chat", sample_kv=True, tenant_keys=keys,
+                    public_prefix=[{"role": "system", "content": system}])  # fmt: skip
+
+
+def write_server_files(workload: Workload, directory: Path) -> tuple[Path, Path | None]:
+    """The --tenants file for the workload's keys and the --public-prefix file of its shared prompt (None
+    when it has none), written into `directory`."""
+    import hashlib
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tenants = directory / f"{workload.name}-tenants.txt"
+    tenants.write_text(
+        "".join(f"{t} {hashlib.sha256(k.encode()).hexdigest()}\n" for t, k in workload.tenant_keys.items())
+    )
+    if workload.public_prefix is None:
+        return tenants, None
+    prefix = directory / f"{workload.name}-public-prefix.json"
+    prefix.write_text(json.dumps(workload.public_prefix))
+    return tenants, prefix
+
+
 def build(name: str, seed: int, **sizes: int) -> Workload:
     """A workload by name; `sizes` override the builder's keyword defaults (unknown ones raise TypeError)."""
     builders = {"doc-qa": doc_qa, "tenants": tenants, "prefix-repetition": prefix_repetition, "unique": unique,
-                "isolation": isolation, "prefix-sweep": prefix_sweep}  # fmt: skip
+                "isolation": isolation, "prefix-sweep": prefix_sweep,
+                "shared-system-prompt": shared_system_prompt}  # fmt: skip
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(builders)}")
     return builders[name](seed, **sizes)

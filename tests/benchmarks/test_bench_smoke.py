@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is not an installed package
 
 from benchmarks import compare  # noqa: E402
-from benchmarks.report import percentile, summarize  # noqa: E402
+from benchmarks.report import markdown, percentile, summarize  # noqa: E402
 from benchmarks.serve_bench import run_workload  # noqa: E402
-from benchmarks.workloads import WORKLOADS, build  # noqa: E402
+from benchmarks.workloads import WORKLOADS, build, write_server_files  # noqa: E402
 
 BLOCK = 4
 
@@ -70,6 +70,8 @@ def fake_app(
         async def metrics() -> Response:
             return Response(generate_latest(registry), media_type="text/plain")
 
+    app.state.seen = []  # (authorization header, number of messages) per request
+
     async def generate(body: dict, chat: bool):
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         tokens = prompt.split()
@@ -107,7 +109,9 @@ def fake_app(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> StreamingResponse:
-        return StreamingResponse(generate(await request.json(), True), media_type="text/event-stream")
+        body = await request.json()
+        app.state.seen.append((request.headers.get("authorization"), [m["role"] for m in body["messages"]]))
+        return StreamingResponse(generate(body, True), media_type="text/event-stream")
 
     return app
 
@@ -253,3 +257,30 @@ def test_llamacpp_requests_queue_instead_of_cutting_each_other_short(monkeypatch
     assert isinstance(spec, compare.ServerSpec) and spec.cmd is not None
     i = spec.cmd.index("--interrupt_requests")
     assert spec.cmd[i + 1] == "false"  # its default (true) ends a stream early whenever another request waits
+
+
+def test_shared_system_prompt_sends_tenant_keys_and_the_system_prompt(fake, tmp_path: Path) -> None:  # noqa: ANN001
+    url, app = fake
+    workload, result = run(url, "shared-system-prompt", api_key="operator")
+    assert all(r.ok for r in result.requests), [r.error for r in result.requests]
+    keys = list(workload.tenant_keys.values())
+    assert len(keys) == 3 and len(result.requests) == 6
+    # Wave 0: each tenant's first question in order, with its own key and the shared system message.
+    assert [a for a, _ in app.state.seen[:3]] == [f"Bearer {k}" for k in keys]
+    assert all(roles == ["system", "user"] for _, roles in app.state.seen)
+    assert [r.tag for r in result.requests] == ["first-tenant-1", "first-other", "first-other"] + [
+        "later"
+    ] * 3
+    assert result.kv_usage_peak is None  # the fake exports no gauge: n/a, not 0
+    s = summarize(result)
+    assert s["ttft_mean_by_tag"]["first-other"] is not None
+    tenants, prefix = write_server_files(workload, tmp_path)
+    lines = tenants.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == list(workload.tenant_keys)
+    assert prefix is not None and json.loads(prefix.read_text())[0]["role"] == "system"
+    specs = compare.tenant_specs(tenants, prefix)
+    assert [sp.name for sp in specs] == ["brine-tenants-public-prefix", "brine-tenants"]
+    assert all(sp.runs("shared-system-prompt") and not sp.runs("doc-qa") for sp in specs)
+    assert "--public-prefix" in specs[0].cmd and "--public-prefix" not in specs[1].cmd  # type: ignore[operator]
+    md = markdown([s | {"server": "brine-tenants-public-prefix"}, s | {"server": "brine-tenants"}], "# t")
+    assert "With `--public-prefix` / without: tenants 2.. first TTFT 1x" in md
