@@ -221,7 +221,7 @@ def shared_prompt_table(summaries: list[dict]) -> list[str]:
         by[s["server"]] = s
         lines.append(
             f"| {s['server']} | {fmt(t.get('first-tenant-1'), ' s')} | {fmt(t.get('first-other'), ' s')} | "
-            f"{fmt(None if other_cached is None else other_cached / n_other)} | {fmt(t.get('later'), ' s')} | "
+            f"{fmt(None if other_cached is None else round(other_cached / n_other))} | {fmt(t.get('later'), ' s')} | "
             f"{pct(s['kv_usage_peak'])} | {fmt(s['cached_blocks_end'])} |"
         )
     shared, private = by.get("brine-tenants-public-prefix"), by.get("brine-tenants")
