@@ -212,3 +212,19 @@ def test_forget_drops_one_tenants_private_blocks_only() -> None:
     mgr.check_invariants()
     assert mgr.forget(("tenant", "nobody")) == 0
     release(mgr, reqs["a1"], reqs["b"], reqs["g"])
+
+
+def test_kv_events_never_carry_the_namespace() -> None:
+    mgr = KVCacheManager(16, BS, public_prefixes=PUBLIC, enable_events=True)
+    prompt = PUBLIC[1] + [1, 2, 3, 4, 5, 6]
+    req = FakeRequest(
+        "r", list(prompt), mgr.make_hasher(CacheNamespace(tenant="tenant-zz9", salt="salt-qq7"), prompt)
+    )
+    admit(mgr, req)
+    mgr.forget(("tenant", "tenant-zz9"))
+    events = mgr.take_events()
+    assert len(events) == 2  # stored, then removed
+    for event in events:
+        text = repr(event).encode() + b"".join(getattr(event, "block_hashes", []))
+        assert b"tenant-zz9" not in text and b"salt-qq7" not in text
+    release(mgr, req)
