@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
@@ -169,10 +169,18 @@ def create_app(
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @app.post("/reset_prefix_cache", operation_id="resetPrefixCache")
-    async def reset_prefix_cache(request: Request) -> dict:
+    async def reset_prefix_cache(
+        request: Request,
+        # Checked below rather than typed as a Literal: a bad value must be a 400 naming `scope`.
+        scope: str | None = Query(
+            None,
+            description='"tenant": the caller\'s own cached blocks (a tenant key\'s default); "global": every '
+            "cached block (the operator's default; a tenant gets a 403).",
+            json_schema_extra={"enum": ["tenant", "global"]},
+        ),
+    ) -> dict:
         # ?scope=tenant|global; the default is the caller's own: a tenant's (or the gateway header's)
         # namespace, else everything. Only the operator may reset everything.
-        scope = request.query_params.get("scope")
         if scope not in (None, "tenant", "global"):
             raise bad_request('scope must be "tenant" or "global".', "scope")
         owner = request_owner(request)

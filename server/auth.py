@@ -28,7 +28,7 @@ _OPEN_ROUTES = {("GET", "/health"), ("HEAD", "/health")}
 # operator's, including routes added later: a new route is closed to tenants until it is listed here.
 _TENANT_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
-     "/reset_prefix_cache", "/health"}
+     "/reset_prefix_cache", "/health", "/openapi.json", "/docs"}
 )  # fmt: skip
 _TENANT_PATH_PREFIXES = ("/v1/models/",)
 

@@ -78,6 +78,7 @@ def test_same_prompt_and_salt_never_hit_across_tenants(tenant_client: TestClient
         ("POST", "/v1/completions", completion_body(), 200),
         ("POST", "/v1/chat/completions", chat_body(), 200),
         ("GET", "/version", None, 200),
+        ("GET", "/openapi.json", None, 200),
         ("POST", "/reset_prefix_cache", None, 200),  # scoped to the tenant
         ("GET", "/metrics", None, 403),
         ("GET", "/no/such/route", None, 403),  # every route not listed is the operator's
@@ -301,3 +302,10 @@ def test_template_drift_is_logged(
 
     render_public_prefix(FakeTokenizer(), read_public_prefix(str(path)))
     assert caplog.text == ""
+
+
+def test_reset_scope_is_published(tenant_client: TestClient) -> None:
+    schema = tenant_client.get("/openapi.json", headers=bearer(ACME)).json()
+    params = schema["paths"]["/reset_prefix_cache"]["post"]["parameters"]
+    (scope,) = [p for p in params if p["name"] == "scope"]
+    assert scope["in"] == "query" and scope["schema"]["enum"] == ["tenant", "global"]
