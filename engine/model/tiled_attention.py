@@ -3,7 +3,7 @@
 Every query row attends over its request's cache in fixed tiles of `KV_TILE` key positions, counted from
 position 0, whatever the query count, the batch, the padding or how the prompt was chunked:
 
-    scores   S_t = q . K_t^T * scale         one [M, D] x [D, KV_TILE] product per tile (float32)
+    scores   S_t = (q * scale) . K_t^T       one [M, D] x [D, KV_TILE] product per tile (float32)
     max      m   = max over every visible score of the row (exact: max does not round)
     weights  P_t = exp(S_t - m), masked keys give exactly 0
     sums     l_t = sum_k P_t,  O_t = P_t @ V_t   (a [M, KV_TILE] x [KV_TILE, D] product per tile)
@@ -33,7 +33,7 @@ from engine.model.invariance import row_multiple
 from engine.model.transfer import index_tensor, to_device
 
 KV_TILE = 64  # key positions per tile; part of the numerics (changing it changes results, not invariance)
-QUERY_SLICE = 256  # query tokens per product of a long chunk (memory only)
+QUERY_SLICE = 64  # query tokens per product of a long chunk: keeps the scores in cache; results unchanged
 
 
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -90,7 +90,9 @@ class _Unit:
     n: int
     q_pos: torch.Tensor  # [B, n] host: position of each query
     ctx: torch.Tensor  # [B, 1] host: context length
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, T, Mp, KV_TILE]
+    # window -> (first tile with a hidden key, [B, 1, T - that tile, Mp, KV_TILE] bool, True where hidden):
+    # tiles before it are visible to every row, so masking skips them (it would change nothing there).
+    masks: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -141,8 +143,9 @@ class TiledBackend:
         ctx = torch.tensor([meta.context_lens[i] for i in reqs], dtype=torch.int64)[:, None]
         return _Unit(index_tensor(token_idx, self.device), blocks, tiles, n, q_pos, ctx)
 
-    def _mask(self, unit: _Unit, group: int, window: int | None, is_causal: bool) -> torch.Tensor:
-        """[B, 1, T, Mp, KV_TILE] bool, True where a row may see a key. Rows are (token, head in group)."""
+    def _mask(self, unit: _Unit, group: int, window: int | None, is_causal: bool) -> tuple[int, torch.Tensor]:
+        """(t0, [B, 1, T - t0, Mp, KV_TILE] bool): True where a row may not see a key, from tile t0 on. Rows
+        are (token, head in group); every key before tile t0 is visible to every row."""
         if window not in unit.masks:
             k_pos = torch.arange(unit.num_tiles * KV_TILE).view(1, 1, -1)  # [1, 1, L]
             q_pos = unit.q_pos[:, :, None]  # [B, n, 1]
@@ -156,7 +159,12 @@ class TiledBackend:
             pad[..., 0] = True
             rows = torch.cat([rows, pad], dim=1)  # [B, Mp, L]
             tiled = rows.view(b, rows.shape[1], unit.num_tiles, KV_TILE).transpose(1, 2)
-            unit.masks[window] = to_device(tiled.contiguous(), self.device)[:, None]
+            seen_by_all = tiled.flatten(2).all(dim=2).all(dim=0)  # [T]: tiles no row masks
+            t0 = (
+                int(seen_by_all.logical_not().nonzero()[0]) if not bool(seen_by_all.all()) else unit.num_tiles
+            )
+            hidden = tiled[:, t0:].logical_not().contiguous()
+            unit.masks[window] = (t0, to_device(hidden, self.device)[:, None])
         return unit.masks[window]
 
     def forward(
@@ -191,7 +199,8 @@ class TiledBackend:
         group, (b, nb), t, n = h // hkv, unit.blocks.shape, unit.num_tiles, unit.n
         # Queries: [B, n, Hkv, g, D] -> rows (token, head in group) per kv head, padded: [B * Hkv, 1, Mp, D]
         qu = q.index_select(0, unit.token_idx).view(b, n, hkv, group, d).permute(0, 2, 1, 3, 4)
-        qu = qu.reshape(b * hkv, n * group, d).float()
+        # The scale is applied to q (a few rows) rather than to the scores (many): the same for every row.
+        qu = qu.reshape(b * hkv, n * group, d).float().mul_(scale)
         m_rows = n * group
         qu = F.pad(qu, (0, 0, 0, -m_rows % self.row_multiple))
         mp = qu.shape[1]
@@ -204,11 +213,10 @@ class TiledBackend:
                 x.view(b, t, KV_TILE, hkv, d).permute(0, 3, 1, 2, 4).float().reshape(b * hkv, t, KV_TILE, d)
             )
 
-        s = scores(qu[:, None], tiles(k_cache)).mul_(scale)  # [B * Hkv, T, Mp, KV_TILE]
-        s = s.view(b, hkv, t, mp, KV_TILE).masked_fill_(
-            ~self._mask(unit, group, window, is_causal), -torch.inf
-        )
-        s = s.view(b * hkv, t, mp, KV_TILE)
+        s = scores(qu[:, None], tiles(k_cache))  # [B * Hkv, T, Mp, KV_TILE]
+        t0, blocked = self._mask(unit, group, window, is_causal)
+        if t0 < t:
+            s.view(b, hkv, t, mp, KV_TILE)[:, :, t0:].masked_fill_(blocked, -torch.inf)
         m = s.amax(dim=3).amax(dim=1)  # [B * Hkv, Mp]
         p = s.sub_(m[:, None, :, None]).exp_()
         o = tree_sum(weighted(p, tiles(v_cache)), 1)  # [B * Hkv, Mp, D]
