@@ -259,6 +259,14 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument(
         "--external", action="append", default=[], metavar="NAME=URL", help="use running servers only"
     )
+    p.add_argument(
+        "--with",
+        dest="also",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="also benchmark this running server beside the ones started (e.g. a checkout before a change)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     p.add_argument("--time-limit", type=float, default=240.0, help="per workload: no request starts after it")
@@ -283,6 +291,7 @@ def main(argv: list[str] | None = None) -> Path:
                 notes.append(llama)
             else:
                 specs.append(llama)
+        specs += [ServerSpec(*e.split("=", 1)) for e in args.also]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="brine-bench-"))  # server logs: not results, kept out of the repo
     tenant_workloads = [w for w in args.workloads if w in TENANT_WORKLOADS]

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One command for a device session: the CUDA-marked tests, then a short prefill / decode benchmark on the GPU.
+# The CUDA tests include the batch-invariance check of the FlexAttention path
+# (tests/engine/test_batch_invariance.py::test_flex_attention_on_cuda_is_batch_invariant).
 #
 #   bash benchmarks/gpu_check.sh            # writes cuda_tests.txt and bench.txt under $OUT (or /tmp/brine_gpu)
 #
