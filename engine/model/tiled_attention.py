@@ -88,8 +88,8 @@ class _Unit:
     blocks: torch.Tensor  # [B, ceil(T * KV_TILE / block_size)] block ids, padded with block 0 (masked)
     num_tiles: int
     n: int
-    q_pos: torch.Tensor  # [B, n] host: position of each query
-    ctx: torch.Tensor  # [B, 1] host: context length
+    q0: list[int]  # per request: position of its first query (the others follow it)
+    ctx: list[int]  # per request: context length
     # window -> (first tile with a hidden key, [B, 1, T - that tile, Mp, KV_TILE] bool, True where hidden):
     # tiles before it are visible to every row, so masking skips them (it would change nothing there).
     masks: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -139,32 +139,38 @@ class TiledBackend:
         nb = -(-(tiles * KV_TILE) // bs)
         table = [(meta.block_tables[i][:nb] + [0] * nb)[:nb] for i in reqs]
         blocks = index_tensor([b for t in table for b in t], self.device).view(len(reqs), nb)
-        q_pos = torch.tensor(q0, dtype=torch.int64)[:, None] + torch.arange(n)[None, :]
-        ctx = torch.tensor([meta.context_lens[i] for i in reqs], dtype=torch.int64)[:, None]
-        return _Unit(index_tensor(token_idx, self.device), blocks, tiles, n, q_pos, ctx)
+        ctx = [meta.context_lens[i] for i in reqs]
+        return _Unit(index_tensor(token_idx, self.device), blocks, tiles, n, q0, ctx)
 
     def _mask(self, unit: _Unit, group: int, window: int | None, is_causal: bool) -> tuple[int, torch.Tensor]:
         """(t0, [B, 1, T - t0, Mp, KV_TILE] bool): True where a row may not see a key, from tile t0 on. Rows
         are (token, head in group); every key before tile t0 is visible to every row."""
         if window not in unit.masks:
-            k_pos = torch.arange(unit.num_tiles * KV_TILE).view(1, 1, -1)  # [1, 1, L]
-            q_pos = unit.q_pos[:, :, None]  # [B, n, 1]
-            allowed = (k_pos <= q_pos) if is_causal else (k_pos < unit.ctx[:, :, None])
+            # Planned from host ints (never by reading a tensor back: on CUDA that would wait for the GPU).
+            if window is not None and max(unit.q0) + unit.n - 1 - window >= 0:
+                t0 = 0  # some row's window starts past key 0
+            elif is_causal:
+                t0 = (min(unit.q0) + 1) // KV_TILE  # the earliest query sees every key of the tiles before
+            else:
+                t0 = min(unit.ctx) // KV_TILE
+            t0 = min(t0, unit.num_tiles)
+            k_pos = torch.arange(t0 * KV_TILE, unit.num_tiles * KV_TILE).view(
+                1, 1, -1
+            )  # [1, 1, L - t0 tiles]
+            q_pos = (torch.tensor(unit.q0)[:, None] + torch.arange(unit.n)[None, :])[:, :, None]  # [B, n, 1]
+            if is_causal:
+                hidden = k_pos > q_pos
+            else:
+                hidden = (k_pos >= torch.tensor(unit.ctx)[:, None, None]).expand(-1, unit.n, -1)
             if window is not None:
-                allowed &= k_pos > q_pos - window
-            b = allowed.shape[0]
-            rows = allowed[:, :, None, :].expand(-1, -1, group, -1).reshape(b, unit.n * group, -1)
-            # Pad rows see key 0 only, so that they stay finite; their outputs are dropped.
-            pad = torch.zeros(b, -(unit.n * group) % self.row_multiple, rows.shape[-1], dtype=torch.bool)
-            pad[..., 0] = True
-            rows = torch.cat([rows, pad], dim=1)  # [B, Mp, L]
-            tiled = rows.view(b, rows.shape[1], unit.num_tiles, KV_TILE).transpose(1, 2)
-            seen_by_all = tiled.flatten(2).all(dim=2).all(dim=0)  # [T]: tiles no row masks
-            t0 = (
-                int(seen_by_all.logical_not().nonzero()[0]) if not bool(seen_by_all.all()) else unit.num_tiles
-            )
-            hidden = tiled[:, t0:].logical_not().contiguous()
-            unit.masks[window] = (t0, to_device(hidden, self.device)[:, None])
+                hidden = hidden | (k_pos <= q_pos - window)
+            b = hidden.shape[0]
+            rows = hidden[:, :, None, :].expand(-1, -1, group, -1).reshape(b, unit.n * group, -1)
+            # Pad rows repeat the last real row's mask, so they stay finite; their outputs are dropped.
+            pad = -(unit.n * group) % self.row_multiple
+            rows = torch.cat([rows, rows[:, -1:].expand(-1, pad, -1)], dim=1)  # [B, Mp, keys from t0]
+            tiled = rows.view(b, rows.shape[1], unit.num_tiles - t0, KV_TILE).transpose(1, 2).contiguous()
+            unit.masks[window] = (t0, to_device(tiled, self.device)[:, None])
         return unit.masks[window]
 
     def forward(
