@@ -66,19 +66,28 @@ async def test_invalid_requests_raise_value_error_before_the_first_yield(engine)
         await engine.generate([1], SamplingParams(temperature=-1)).__anext__()
 
 
+def steps_of(engine: AsyncEngine, request_id: str) -> int:
+    """How many steps scheduled the request: an aborted one stops long before max_tokens."""
+    runner = engine._core.runner
+    return sum(s.request_id == request_id for out in runner.steps for s in out.scheduled)
+
+
 async def test_closing_the_iterator_aborts_and_frees_blocks(engine):
-    gen = engine.generate([1, 2, 3, 4, 5], SamplingParams(max_tokens=500, temperature=0), request_id="gone")
+    # max_tokens ~ the whole context: left alone, the request would run ~1000 steps (2 s) before freeing its
+    # blocks, so blocks freed after a few dozen steps can only be the abort.
+    gen = engine.generate([1, 2, 3, 4, 5], SamplingParams(max_tokens=1000, temperature=0), request_id="gone")
     await gen.__anext__()
     assert engine.num_used_blocks() > 0
     await gen.aclose()
     await wait_for_free_blocks(engine)
+    assert 0 < steps_of(engine, "gone") < 500
 
 
 async def test_cancelling_the_consumer_aborts(engine):
     started = asyncio.Event()
 
     async def consume():
-        async for _ in engine.generate([1, 2], SamplingParams(max_tokens=1000, temperature=0)):
+        async for _ in engine.generate([1, 2], SamplingParams(max_tokens=1000, temperature=0), request_id="c"):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -87,6 +96,7 @@ async def test_cancelling_the_consumer_aborts(engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_for_free_blocks(engine)
+    assert 0 < steps_of(engine, "c") < 500
 
 
 async def test_abort_ends_the_stream_with_finish_reason_abort(engine):
