@@ -87,7 +87,9 @@ async def test_cancelling_the_consumer_aborts(engine):
     started = asyncio.Event()
 
     async def consume():
-        async for _ in engine.generate([1, 2], SamplingParams(max_tokens=1000, temperature=0), request_id="c"):
+        async for _ in engine.generate(
+            [1, 2], SamplingParams(max_tokens=1000, temperature=0), request_id="c"
+        ):
             started.set()
 
     task = asyncio.create_task(consume())

@@ -113,7 +113,12 @@ def test_each_request_hands_its_own_salt_to_the_engine_with_the_same_tokens(
             body = completion_body([prefix + "1", prefix + "2"], stream=stream, **extra)
             assert client.post("/v1/completions", json=body).status_code == 200
             sent += [salt, salt]
-            assert client.post("/v1/chat/completions", json=chat_body(prefix, stream=stream, **extra)).status_code == 200
+            assert (
+                client.post(
+                    "/v1/chat/completions", json=chat_body(prefix, stream=stream, **extra)
+                ).status_code
+                == 200
+            )
             sent.append(salt)
     assert [c.cache_salt for c in engine.calls] == sent
     assert len({tuple(c.prompt_token_ids) for c in engine.calls}) == 3  # two completion prompts, one chat

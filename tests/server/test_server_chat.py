@@ -152,7 +152,9 @@ def test_n_and_logprobs(client: TestClient) -> None:
 # the server's part is to hand them over intact and to report what the engine did.
 
 
-def test_stop_strings_reach_the_engine_and_its_stop_is_reported(client: TestClient, engine: FakeEngine) -> None:
+def test_stop_strings_reach_the_engine_and_its_stop_is_reported(
+    client: TestClient, engine: FakeEngine
+) -> None:
     for stop, expected in (("ab", ["ab"]), (["x y", "", "z"], ["x y", "z"]), (None, [])):
         body = chat_body(max_tokens=30, temperature=0, stop=stop, include_stop_str_in_output=stop == "ab")
         r = client.post("/v1/chat/completions", json=body).json()
@@ -169,7 +171,9 @@ def test_stop_strings_reach_the_engine_and_its_stop_is_reported(client: TestClie
     assert r["choices"][0]["message"]["content"] == full[: full.index(stop)]
 
 
-def test_eos_flags_reach_the_engine_and_an_eos_stop_is_reported(engine: FakeEngine, client: TestClient) -> None:
+def test_eos_flags_reach_the_engine_and_an_eos_stop_is_reported(
+    engine: FakeEngine, client: TestClient
+) -> None:
     client.post("/v1/chat/completions", json=chat_body(max_tokens=10, ignore_eos=True, stop_token_ids=[70]))
     assert engine.calls[-1].params.ignore_eos and engine.calls[-1].params.stop_token_ids == [70]
     engine.eos_after = 3

@@ -89,7 +89,9 @@ def test_streamed_usage_reports_the_engines_cached_tokens(client: TestClient) ->
             assert (cached >= len(prefix) - 4) if expect_hit else cached == 0, (path, usage)
             assert full["prompt_tokens_details"]["cached_tokens"] >= len(prefix) - 4
             assert usage["prompt_tokens"] == full["prompt_tokens"]
-    both = _stream(client, "/v1/completions", completion_body([prefix + "x", prefix + "y"], **opts))[-1]["usage"]
+    both = _stream(client, "/v1/completions", completion_body([prefix + "x", prefix + "y"], **opts))[-1][
+        "usage"
+    ]
     assert both["prompt_tokens_details"]["cached_tokens"] >= 2 * (len(prefix) - 4)  # summed over prompts
 
 
