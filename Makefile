@@ -61,7 +61,7 @@ gpu-check: $(STAMP)
 MUTANTS ?=
 mutate: $(STAMP)
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install --quiet -e '.[mutate]'
-	$(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	$(BIN)/mutmut run --max-children 2 $(foreach m,$(MUTANTS),'$(m)')
 	$(BIN)/python tests/mutation_score.py
 
 clean:
