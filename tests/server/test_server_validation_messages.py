@@ -6,6 +6,8 @@ passed them all.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -203,3 +205,92 @@ def test_logprobs_reach_the_engine_as_asked(client: TestClient, engine: FakeEngi
     client.post(COMPLETIONS, json=completion_body(logprobs=2, echo=True))
     assert engine.calls[-1].params.prompt_logprobs == 2
     assert MODEL
+
+
+BAD_BODIES = [
+    (b"{not json", "We could not parse the JSON body of your request.", None, "invalid_json"),
+    (b"[1, 2]", "The request body must be a JSON object.", None, "invalid_json"),
+    (b'{"prompt": "x", "cache_salt": 5}', "cache_salt must be a string.", "cache_salt", "invalid_cache_salt"),
+    (
+        b'{"prompt": "x", "cache_salt": ""}',
+        "cache_salt must not be empty.",
+        "cache_salt",
+        "invalid_cache_salt",
+    ),
+    (
+        b'{"prompt": "x", "cache_salt": "' + b"s" * 1025 + b'"}',
+        "cache_salt must be at most 1024 characters long.",
+        "cache_salt",
+        "invalid_cache_salt",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "message", "param", "code"), BAD_BODIES, ids=lambda v: str(v)[:30])
+def test_each_bad_body_says_exactly_what_is_wrong(
+    client: TestClient, raw: bytes, message: str, param: str | None, code: str
+) -> None:
+    r = client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json() == {
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    }
+
+
+def test_the_body_limit_is_inclusive_and_counts_every_chunk(engine: FakeEngine) -> None:
+    from server.app import create_app
+
+    client = TestClient(create_app(engine, max_body_bytes=1000))
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "user": "' % MODEL.encode()
+    exact = body + b"u" * (1000 - len(body) - 2) + b'"}'
+    assert len(exact) == 1000
+    assert client.post(COMPLETIONS, content=exact).status_code == 200  # declared length == limit: fine
+    assert client.post(COMPLETIONS, content=iter([exact])).status_code == 200  # streamed, no length
+    too_large = {
+        "error": {
+            "message": "The request body is larger than the 1000 bytes this server accepts.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_too_large",
+        }
+    }
+    r = client.post(COMPLETIONS, content=exact + b" ")
+    assert r.status_code == 413 and r.json() == too_large
+
+    # Chunked, no Content-Length: two chunks each under the limit, together over it (straight over ASGI:
+    # the test client would join them into one).
+    status, payload = asyncio.run(
+        _asgi_post(create_app(engine, max_body_bytes=1000), [exact[:600], exact[600:] + b" "])
+    )
+    assert status == 413 and json.loads(payload) == too_large
+
+
+async def _asgi_post(app, chunks: list[bytes]) -> tuple[int, bytes]:
+    messages = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": COMPLETIONS,
+        "raw_path": COMPLETIONS.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
