@@ -160,6 +160,7 @@ def test_a_salt_with_a_lone_surrogate_hashes_and_stays_distinct() -> None:
 def test_encode_keeps_what_comes_before_a_big_int_and_names_what_it_cannot_hash() -> None:
     big = 2**70  # beyond int64: the general integer encoding
     assert encode(("a", big)) != encode(("b", big))
+    assert encode((big,)) != encode((big + 1,)) and encode([big, 1]) != encode([1])
     assert encode([big, "x"]) != encode([big, "y"])
     with pytest.raises(TypeError, match=r"^cannot hash a float for the prefix cache$"):
         encode((1.5,))
@@ -196,3 +197,14 @@ def test_events_are_off_unless_asked_for() -> None:
     admit(mgr, r)
     mgr.free(r)
     assert mgr.take_events() == []
+
+
+def test_manager_check_invariants_catches_blocks_cached_while_caching_is_off() -> None:
+    mgr = KVCacheManager(4, 4, enable_caching=False)
+    mgr.check_invariants()
+    pool = mgr.block_pool
+    ids = pool.take(1)
+    pool.cache(ids, [b"h"])  # consistent for the pool, but the manager never caches
+    pool.free(ids)
+    with pytest.raises(AssertionError, match=r"^blocks cached while caching is off$"):
+        mgr.check_invariants()

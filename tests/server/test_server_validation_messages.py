@@ -265,7 +265,7 @@ def test_the_body_limit_is_inclusive_and_counts_every_chunk(engine: FakeEngine) 
     assert status == 413 and json.loads(payload) == too_large
 
 
-async def _asgi_post(app, chunks: list[bytes]) -> tuple[int, bytes]:
+async def _asgi_post(app, chunks: list[bytes], headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, bytes]:
     messages = [
         {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
     ]
@@ -287,10 +287,31 @@ async def _asgi_post(app, chunks: list[bytes]) -> tuple[int, bytes]:
         "raw_path": COMPLETIONS.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test"), *headers],
         "client": ("127.0.0.1", 1234),
         "server": ("127.0.0.1", 80),
     }
     await app(scope, receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_an_unknown_model_is_named_but_a_long_name_is_cut(client: TestClient) -> None:
+    for name, shown in (("m" * 100, "m" * 100), ("m" * 101, "m" * 100 + "...")):
+        r = client.post(COMPLETIONS, json=completion_body(model=name))
+        assert r.status_code == 404
+        assert r.json()["error"] == {
+            "message": f"The model `{shown}` does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+
+
+def test_an_absurdly_long_declared_length_is_a_413_not_a_crash(engine: FakeEngine) -> None:
+    from server.app import create_app
+
+    # Python refuses int() of more than 4300 digits: the length check must never get that far.
+    app = create_app(engine, max_body_bytes=1000)
+    status, _ = asyncio.run(_asgi_post(app, [b"{}"], [(b"content-length", b"9" * 5000)]))
+    assert status == 413
