@@ -41,3 +41,11 @@ def test_spaces_around_the_token_are_not_part_of_it(engine: FakeEngine) -> None:
         for header in ("Bearer  key-one", "bearer key-two ", "BEARER key-one"):
             assert client.get("/v1/models", headers={"Authorization": header}).status_code == 200, header
         assert client.get("/v1/models", headers={"Authorization": "Bearer key-one x"}).status_code == 401
+
+
+def test_only_get_and_head_of_health_are_open(engine: FakeEngine) -> None:
+    with TestClient(create_app(engine, api_keys=KEYS)) as client:
+        assert client.get("/health").status_code == 200
+        assert client.head("/health").status_code != 401  # open (the route itself may not serve HEAD)
+        assert client.post("/health").status_code == 401  # another method on an open path is not open
+        assert client.get("/health/").status_code == 401
