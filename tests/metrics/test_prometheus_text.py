@@ -13,6 +13,9 @@ from metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 HELP = {
     "brine_prefix_cache_queries": "Prompt tokens looked up in the prefix cache, once per request at first scheduling.",
     "brine_prefix_cache_hits": "Of the looked-up prompt tokens, those found in the prefix cache.",
+    "brine_prefix_cache_public_hits": (
+        "Of the prefix-cache hits, tokens in blocks of a declared public prefix (shared by every tenant)."
+    ),
     "brine_prefix_cache_preempted_queries": "Prompt tokens looked up again when a preempted request is rescheduled.",
     "brine_prefix_cache_preempted_hits": "Of the preempted lookups, tokens found in the prefix cache.",
     "brine_prefix_cache_evictions": "Cached KV blocks whose prefix hash was dropped to reuse the block.",

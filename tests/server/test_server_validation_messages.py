@@ -209,17 +209,27 @@ def test_logprobs_reach_the_engine_as_asked(client: TestClient, engine: FakeEngi
 
 BAD_BODIES = [
     (b"{not json", "We could not parse the JSON body of your request.", None, "invalid_json"),
-    (b"[1, 2]", "The request body must be a JSON object.", None, "invalid_json"),
-    (b'{"prompt": "x", "cache_salt": 5}', "cache_salt must be a string.", "cache_salt", "invalid_cache_salt"),
+    (
+        b"[1, 2]",
+        "The request body must be a JSON object (sent with Content-Type: application/json).",
+        None,
+        "invalid_json",
+    ),
+    (
+        b'{"prompt": "x", "cache_salt": 5}',
+        "cache_salt: Input should be a valid string",
+        "cache_salt",
+        "invalid_cache_salt",
+    ),
     (
         b'{"prompt": "x", "cache_salt": ""}',
-        "cache_salt must not be empty.",
+        "cache_salt: String should have at least 1 character",
         "cache_salt",
         "invalid_cache_salt",
     ),
     (
         b'{"prompt": "x", "cache_salt": "' + b"s" * 1025 + b'"}',
-        "cache_salt must be at most 1024 characters long.",
+        "cache_salt: String should have at most 1024 characters",
         "cache_salt",
         "invalid_cache_salt",
     ),
