@@ -20,7 +20,7 @@ TORCH_INSTALL := $(BIN)/pip install --retries 1 --timeout 15 "torch==$(TORCH_VER
 	--index-url https://download.pytorch.org/whl/cpu || $(BIN)/pip install "torch==$(TORCH_VERSION)"
 endif
 
-.PHONY: serve test lint bench gpu-check clean
+.PHONY: serve test lint bench gpu-check mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,5 +56,13 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	bash benchmarks/gpu_check.sh
 
+# Mutation testing (not part of test or CI): config, scope and the reason for mutmut in pyproject.toml's
+# [tool.mutmut]; equivalent survivors in mutmut-equivalents.md. MUTANTS narrows it, e.g. MUTANTS='kv_cache.*'.
+MUTANTS ?=
+mutate: $(STAMP)
+	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install --quiet -e '.[mutate]'
+	$(BIN)/mutmut run --max-children 2 $(foreach m,$(MUTANTS),'$(m)')
+	$(BIN)/python tests/mutation_score.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache mutants

@@ -58,12 +58,21 @@ def test_max_tokens_gives_length(client: openai.OpenAI, brine_server: BrineServe
 
 
 def test_n2(client: openai.OpenAI, brine_server: BrineServer) -> None:
-    r = client.chat.completions.create(
-        model=brine_server.model, messages=QUESTION, max_tokens=5, temperature=0.8, seed=1, n=2
-    )
-    assert [c.index for c in r.choices] == [0, 1]
-    assert all(c.message.content is not None for c in r.choices)
-    assert r.usage is not None and r.usage.completion_tokens <= 10
+    kwargs = {"model": brine_server.model, "messages": QUESTION, "max_tokens": 5, "logprobs": True}
+    seeded = [client.chat.completions.create(**kwargs, temperature=0.8, seed=1, n=2) for _ in range(2)]
+    for r in seeded:
+        assert [c.index for c in r.choices] == [0, 1]
+        assert all(c.message.content is not None and c.logprobs and c.logprobs.content for c in r.choices)
+        # usage counts the tokens of both choices; a choice cut by max_tokens has exactly 5.
+        lengths = [len(c.logprobs.content or []) for c in r.choices]
+        assert r.usage is not None and r.usage.completion_tokens == sum(lengths)
+        assert all(n == 5 for n, c in zip(lengths, r.choices, strict=True) if c.finish_reason == "length")
+    # A seed makes the n samples reproducible, choice by choice.
+    assert [c.message.content for c in seeded[0].choices] == [c.message.content for c in seeded[1].choices]
+    # Greedy: every one of the n choices is the single greedy answer.
+    greedy = client.chat.completions.create(**kwargs, temperature=0, n=2)
+    alone = client.chat.completions.create(**kwargs, temperature=0)
+    assert [c.message.content for c in greedy.choices] == [alone.choices[0].message.content] * 2
 
 
 def test_stop_string(client: openai.OpenAI, brine_server: BrineServer) -> None:
@@ -124,5 +133,8 @@ async def test_async_client_concurrent_requests(
         )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
-    results = await asyncio.gather(*(one(p) for p in prompts), *(streamed(p) for p in prompts))
-    assert all(results)
+    together = await asyncio.gather(*(one(p) for p in prompts), *(streamed(p) for p in prompts))
+    alone = [await one(p) for p in prompts]
+    # Greedy, so batching must not change an answer (batch invariance): each request, plain or streamed,
+    # gets the very text it gets alone, and none comes back empty.
+    assert together == alone + alone and all(alone)

@@ -6,7 +6,10 @@ import contextlib
 import io
 import re
 
+import pytest
 from e2e_server import ROOT, BrineServer
+
+pytestmark = pytest.mark.slow  # it starts the real server with the default model
 
 
 def readme_sdk_example() -> str:

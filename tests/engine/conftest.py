@@ -42,7 +42,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
                 factor=8.0,
                 low_freq_factor=1.0,
                 high_freq_factor=4.0,
-                original_max_position_embeddings=32,
+                # 64, not 32: with head_dim 16 the second frequency (wavelength ~32.5) must fall inside the
+                # smoothing band [64 / 4, 64 / 1], or the smoothing formula is never run.
+                original_max_position_embeddings=64,
             )
         ),
     ),

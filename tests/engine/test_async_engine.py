@@ -66,19 +66,41 @@ async def test_invalid_requests_raise_value_error_before_the_first_yield(engine)
         await engine.generate([1], SamplingParams(temperature=-1)).__anext__()
 
 
-async def test_closing_the_iterator_aborts_and_frees_blocks(engine):
-    gen = engine.generate([1, 2, 3, 4, 5], SamplingParams(max_tokens=500, temperature=0), request_id="gone")
+# Left alone, a request with these runs all 1000 steps (2 s) before it frees its blocks, in a KV pool big
+# enough for them (the default 64 blocks of 4 end it after ~250 steps, ~0.5 s, which once let these tests pass
+# with no abort at all).
+UNENDING = SamplingParams(max_tokens=1000, temperature=0)
+
+
+@pytest.fixture
+def roomy_engine():
+    eng = make_engine(FakeRunner(num_blocks=1024, step_delay=0.002))
+    yield eng
+    eng.shutdown()
+
+
+def steps_of(engine: AsyncEngine, request_id: str) -> int:
+    """How many steps scheduled the request: an aborted one stops long before max_tokens."""
+    runner = engine._core.runner
+    return sum(s.request_id == request_id for out in runner.steps for s in out.scheduled)
+
+
+async def test_closing_the_iterator_aborts_and_frees_blocks(roomy_engine):
+    engine = roomy_engine
+    gen = engine.generate([1, 2, 3, 4, 5], UNENDING, request_id="gone")
     await gen.__anext__()
     assert engine.num_used_blocks() > 0
     await gen.aclose()
     await wait_for_free_blocks(engine)
+    assert 0 < steps_of(engine, "gone") < 500  # an abort, not the request's natural end
 
 
-async def test_cancelling_the_consumer_aborts(engine):
+async def test_cancelling_the_consumer_aborts(roomy_engine):
+    engine = roomy_engine
     started = asyncio.Event()
 
     async def consume():
-        async for _ in engine.generate([1, 2], SamplingParams(max_tokens=1000, temperature=0)):
+        async for _ in engine.generate([1, 2], UNENDING, request_id="c"):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -87,6 +109,7 @@ async def test_cancelling_the_consumer_aborts(engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_for_free_blocks(engine)
+    assert 0 < steps_of(engine, "c") < 500
 
 
 async def test_abort_ends_the_stream_with_finish_reason_abort(engine):

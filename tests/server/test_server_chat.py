@@ -148,19 +148,40 @@ def test_n_and_logprobs(client: TestClient) -> None:
         assert t["top_logprobs"][0]["token"] == t["token"] and t["logprob"] <= 0
 
 
-def test_stop_string_is_removed(client: TestClient) -> None:
+# The engine applies stop strings and EOS (tests/engine: test_detokenizer, test_engine_limits, test_scheduler);
+# the server's part is to hand them over intact and to report what the engine did.
+
+
+def test_stop_strings_reach_the_engine_and_its_stop_is_reported(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    for stop, expected in (("ab", ["ab"]), (["x y", "", "z"], ["x y", "z"]), (None, [])):
+        body = chat_body(max_tokens=30, temperature=0, stop=stop, include_stop_str_in_output=stop == "ab")
+        r = client.post("/v1/chat/completions", json=body).json()
+        params = engine.calls[-1].params
+        assert params.stop == expected  # a lone string becomes a list; "" would match everywhere: dropped
+        assert params.include_stop_str_in_output == (stop == "ab")
+        assert not params.ignore_eos and params.stop_token_ids == []
     text = client.post("/v1/chat/completions", json=chat_body(max_tokens=30, temperature=0)).json()
     full = text["choices"][0]["message"]["content"]
     stop = full[5:7]
     r = client.post("/v1/chat/completions", json=chat_body(max_tokens=30, temperature=0, stop=stop)).json()
+    # The fake cuts at the stop string; the server must pass that text and reason on unchanged.
     assert r["choices"][0]["finish_reason"] == "stop"
     assert r["choices"][0]["message"]["content"] == full[: full.index(stop)]
 
 
-def test_eos_gives_stop(engine: FakeEngine, client: TestClient) -> None:
+def test_eos_flags_reach_the_engine_and_an_eos_stop_is_reported(
+    engine: FakeEngine, client: TestClient
+) -> None:
+    client.post("/v1/chat/completions", json=chat_body(max_tokens=10, ignore_eos=True, stop_token_ids=[70]))
+    assert engine.calls[-1].params.ignore_eos and engine.calls[-1].params.stop_token_ids == [70]
     engine.eos_after = 3
     r = client.post("/v1/chat/completions", json=chat_body(max_tokens=10)).json()
+    assert not engine.calls[-1].params.ignore_eos
+    # EOS ends the sequence without a stop_reason: reported as "stop", the EOS token counted, not shown.
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 3
+    assert len(r["choices"][0]["message"]["content"]) == 2
 
 
 def test_prefix_cache_hits_are_reported(client: TestClient) -> None:

@@ -77,6 +77,24 @@ def test_completion_stream_framing(client: TestClient) -> None:
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
 
 
+def test_streamed_usage_reports_the_engines_cached_tokens(client: TestClient) -> None:
+    # The benchmark client reads exactly this value from streamed completions.
+    prefix = "the same long prefix, once more " * 3
+    for path, make in (("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)):
+        opts = {"stream": True, "stream_options": {"include_usage": True}}
+        for tail, expect_hit in (("one", False), ("two", True)):
+            usage = _stream(client, path, make(prefix + tail, **opts))[-1]["usage"]
+            full = client.post(path, json=make(prefix + tail)).json()["usage"]  # same prompt, not streamed
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert (cached >= len(prefix) - 4) if expect_hit else cached == 0, (path, usage)
+            assert full["prompt_tokens_details"]["cached_tokens"] >= len(prefix) - 4
+            assert usage["prompt_tokens"] == full["prompt_tokens"]
+    both = _stream(client, "/v1/completions", completion_body([prefix + "x", prefix + "y"], **opts))[-1][
+        "usage"
+    ]
+    assert both["prompt_tokens_details"]["cached_tokens"] >= 2 * (len(prefix) - 4)  # summed over prompts
+
+
 def test_error_before_stream_is_a_plain_400(client: TestClient) -> None:
     r = client.post("/v1/chat/completions", json=chat_body("x" * 300, stream=True))
     assert_error(r, 400, code="context_length_exceeded")
@@ -130,13 +148,17 @@ async def _asgi_post(app: Any, path: str, body: dict, *, disconnect_after_bodies
     return sent
 
 
-async def test_disconnect_mid_stream_aborts_and_frees_blocks() -> None:
+# The server's part of a disconnect is to stop consuming the engine's stream before it finished (the fake
+# records that as `aborted`); that the real engine then frees the blocks is tests/engine/test_async_engine.py's
+# and tests/e2e/test_e2e_disconnect.py's claim, not something the fake's own bookkeeping could show.
+
+
+async def test_disconnect_mid_stream_aborts_the_engine_request() -> None:
     engine = FakeEngine(step_delay=0.01)
     app = create_app(engine)
     body = chat_body(max_tokens=200, stream=True)
     sent = await _asgi_post(app, "/v1/chat/completions", body, disconnect_after_bodies=3)
     assert engine.calls and engine.aborted == [engine.calls[0].request_id]
-    assert engine.num_used_blocks() == 0 and not engine.running
     received = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"[DONE]" not in received  # it really was cut off mid-stream
 
@@ -153,7 +175,6 @@ async def test_disconnect_while_waiting_aborts() -> None:
         await _asgi_post(app, path, body, disconnect_after_bodies=0)
         assert engine.calls
         assert sorted(engine.aborted) == sorted(c.request_id for c in engine.calls)
-        assert engine.num_used_blocks() == 0 and not engine.running
 
 
 async def test_finished_stream_aborts_nothing() -> None:
@@ -162,7 +183,7 @@ async def test_finished_stream_aborts_nothing() -> None:
     sent = await _asgi_post(
         app, "/v1/completions", completion_body(stream=True), disconnect_after_bodies=10**6
     )
-    assert sent[0]["status"] == 200 and engine.aborted == [] and engine.num_used_blocks() == 0
+    assert sent[0]["status"] == 200 and engine.aborted == []
 
 
 async def test_disconnect_while_sending_the_body_is_not_a_server_error(

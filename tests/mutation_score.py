@@ -1,0 +1,86 @@
+"""`make mutate`'s report: the mutation score of each mutated module, from mutmut's result files.
+
+Score = killed / (killed + survived), counting timeouts and crashes as killed (the test run noticed) and
+leaving out mutants not checked in this run. A survivor listed in mutmut-equivalents.md counts as
+equivalent, not as survived; survivors not listed there are printed, so that each gets a test or a line.
+Run from the repository root after `mutmut run`: `python tests/mutation_score.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EQUIVALENTS = ROOT / "mutmut-equivalents.md"
+KILLED = {1, 3, 24, -24, 152, 255, 36, -11, -9}  # test failure, pytest error, timeout, crash
+SURVIVED = 0
+
+
+@dataclass(slots=True)
+class Score:
+    killed: int = 0
+    survived: list[str] = field(default_factory=list)
+    equivalent: int = 0
+    unchecked: int = 0
+    no_tests: list[str] = field(default_factory=list)
+
+    def line(self, module: str) -> str:
+        judged = self.killed + len(self.survived) + self.equivalent
+        score = 100.0 * (self.killed + self.equivalent) / judged if judged else float("nan")
+        return (
+            f"{module:28} {score:6.1f}%  killed {self.killed:4}  equivalent {self.equivalent:3}  "
+            f"survived {len(self.survived):3}  no tests {len(self.no_tests):3}  not checked {self.unchecked:4}"
+        )
+
+
+def equivalents() -> set[str]:
+    """Mutant names listed (in backticks, first on their line) in mutmut-equivalents.md."""
+    if not EQUIVALENTS.is_file():
+        return set()
+    return set(re.findall(r"^- `([^`]+)`", EQUIVALENTS.read_text(), flags=re.MULTILINE))
+
+
+def scores(mutants_dir: Path) -> dict[str, Score]:
+    listed = equivalents()
+    out: dict[str, Score] = {}
+    for meta in sorted(mutants_dir.rglob("*.py.meta")):
+        module = str(meta.relative_to(mutants_dir))[: -len(".meta")]
+        score = out.setdefault(module, Score())
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            if code is None:
+                score.unchecked += 1
+            elif code == SURVIVED:
+                if name in listed:
+                    score.equivalent += 1
+                else:
+                    score.survived.append(name)
+            elif code in (5, 33):
+                score.no_tests.append(name)
+            elif code in KILLED:
+                score.killed += 1
+            else:
+                score.survived.append(name)  # "suspicious" and the rest: not a kill
+    return out
+
+
+def main() -> int:
+    result = scores(ROOT / "mutants")
+    if not result:
+        print("no mutmut results under mutants/: run `make mutate` first")
+        return 1
+    for module, score in result.items():
+        if score.killed or score.survived or score.equivalent or score.no_tests:
+            print(score.line(module))
+    unlisted = [name for s in result.values() for name in s.survived + s.no_tests]
+    if unlisted:
+        print(f"\n{len(unlisted)} survivors neither killed nor listed in {EQUIVALENTS.name}:")
+        print("\n".join(f"  {name}" for name in unlisted))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
