@@ -170,7 +170,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
+            if token in params.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in self.eos_token_ids:
