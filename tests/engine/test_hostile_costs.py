@@ -40,7 +40,9 @@ def test_the_scheduler_stop_check_reads_stop_token_ids_once_per_sequence_not_per
     outputs = run_to_completion(core)
     assert sum(len(c.token_ids) for o in outputs for c in o.outputs) == 60
     assert reads_after_add <= 1 + params.n  # the request's params and each child's copy: once each
-    assert ids.reads == reads_after_add, f"stop_token_ids read {ids.reads - reads_after_add} times while running"
+    assert ids.reads == reads_after_add, (
+        f"stop_token_ids read {ids.reads - reads_after_add} times while running"
+    )
 
 
 def test_the_sampler_min_tokens_mask_reads_stop_token_ids_once_per_sequence():

@@ -224,3 +224,14 @@ def test_the_access_log_drops_query_strings() -> None:
     )  # fmt: skip
     assert DropQueryString().filter(record)
     assert record.getMessage() == '127.0.0.1:5 - "GET /v1/models HTTP/1.1" 200'
+
+
+def test_every_prompt_of_one_request_has_the_same_owner_for_fair_scheduling(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    assert (
+        client.post("/v1/completions", json=completion_body(prompt=["a", "b", "c"], n=2)).status_code == 200
+    )
+    assert client.post("/v1/completions", json=completion_body(prompt="d")).status_code == 200
+    owners = [call.owner for call in engine.calls]
+    assert len(set(owners[:3])) == 1 and owners[3] not in owners[:3] and None not in owners
