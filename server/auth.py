@@ -1,4 +1,4 @@
-"""Bearer-token authentication for every route except `GET /health`, and who the caller is.
+"""Bearer-token authentication for every route except `GET`/`HEAD /health`, and who the caller is.
 
 Two kinds of key: the operator's (`--api-key` / `BRINE_API_KEY`), which open every route, and tenants' (from
 `--tenants`, matched by the SHA-256 of the key), which open only the routes a tenant needs and put the request

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[],
-        help="require 'Authorization: Bearer <key>' on every route but GET /health (/docs and /openapi.json "
+        help="require 'Authorization: Bearer <key>' on every route but GET/HEAD /health (/docs and /openapi.json "
         "included); repeat for several keys. The BRINE_API_KEY environment variable adds one more.",
     )
     limits = s.add_argument_group(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fake_engine import FakeEngine
@@ -235,3 +236,15 @@ def test_every_prompt_of_one_request_has_the_same_owner_for_fair_scheduling(
     assert client.post("/v1/completions", json=completion_body(prompt="d")).status_code == 200
     owners = [call.owner for call in engine.calls]
     assert len(set(owners[:3])) == 1 and owners[3] not in owners[:3] and None not in owners
+
+
+def test_the_readme_documents_every_limit_flag_with_its_default() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    parser = cli.build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    for action in serve._actions:
+        if action.dest.startswith("max_") and action.dest not in ("max_num_seqs", "max_num_batched_tokens",
+                                                                   "max_model_len"):  # fmt: skip
+            flag = action.option_strings[0]
+            assert f"[{flag} {action.default}]" in readme, flag
+            assert f"`{flag}`" in readme, flag
