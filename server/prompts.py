@@ -61,7 +61,9 @@ def _takes_add_special_tokens(tokenizer: TokenizerLike) -> bool:
     return "add_special_tokens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def encode(tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+def encode(
+    tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool, param: str = "prompt"
+) -> list[int]:
     """Token ids of `text`; text the tokenizer refuses is the client's to fix: a 400 naming `param`."""
     try:
         if _takes_add_special_tokens(tokenizer):

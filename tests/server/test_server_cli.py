@@ -169,7 +169,7 @@ def test_serve_with_tenants_and_public_prefixes(
     monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config: fake))
     seen: dict[str, Any] = {}
 
-    def run(app: Any, host: str, port: int, log_level: str) -> None:
+    def run(app: Any, host: str, port: int, log_level: str, log_config: dict) -> None:
         client = TestClient(app)
         seen["tenant_metrics"] = client.get("/metrics", headers={"Authorization": "Bearer tk"}).status_code
         seen["tenant_models"] = client.get("/v1/models", headers={"Authorization": "Bearer tk"}).status_code
