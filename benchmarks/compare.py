@@ -56,6 +56,7 @@ ORDER = (
     "isolation",
     "prefix-sweep",
     "shared-system-prompt",
+    "noisy-neighbour",
 )
 OPERATOR_KEY = "bench-operator-key"  # the tenant servers' --api-key: /metrics is the operator's
 # Sizes chosen so three servers x six workloads finish in well under 20 minutes on a 2-core CPU.
@@ -73,6 +74,7 @@ PRESETS: dict[str, dict[str, dict]] = {
             "context_tokens": 200,
             "questions": 3,
         },
+        "noisy-neighbour": {"quiet_tenants": 3, "doc_tokens": 1000, "questions": 4},
     },
     "tiny": {
         "doc-qa": {"doc_tokens": 100, "questions": 3, "max_tokens": 4},
@@ -92,6 +94,14 @@ PRESETS: dict[str, dict[str, dict]] = {
             "system_tokens": 100,
             "context_tokens": 30,
             "questions": 2,
+            "max_tokens": 4,
+        },
+        "noisy-neighbour": {
+            "quiet_tenants": 2,
+            "doc_tokens": 60,
+            "questions": 2,
+            "fan_prompts": 4,
+            "fan_max_tokens": 4,
             "max_tokens": 4,
         },
     },

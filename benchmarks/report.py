@@ -62,6 +62,10 @@ def summarize(r: WorkloadResult) -> dict:
         "ttft_p90": percentile(ttfts, 90),
         "ttft_p99": percentile(ttfts, 99),
         "ttft_mean_by_tag": {tag: mean(v) for tag, v in by_tag.items()},
+        "ttft_p50_by_tag": {tag: percentile(v, 50) for tag, v in by_tag.items()},
+        "ttft_p90_by_tag": {tag: percentile(v, 90) for tag, v in by_tag.items()},
+        "noise_sent": r.noise_sent,
+        "noise_ok": r.noise_ok,
         "cached_tokens_by_tag": {
             tag: (sum(c for c in v if c is not None) if all(c is not None for c in v) else None)
             for tag, v in cached_by_tag.items()
@@ -191,6 +195,7 @@ def markdown(summaries: list[dict], header: str) -> str:
             lines.append(f"| {s['server']} | {fmt(cold, ' s')} | {fmt(t.get('warm'), ' s')} | {fmt(b, ' s')} | "
                          f"{fmt(ratio, 'x', 2)} | {fmt(c.get('other-tenant'))} |")  # fmt: skip
     lines += shared_prompt_table(summaries)
+    lines += noisy_neighbour_table(summaries)
     errors = [(s["server"], s["workload"], e) for s in summaries for e in s["errors"]]
     if errors:
         lines += ["", "Errors (first few):", ""] + [f"- {srv} / {wl}: `{e}`" for srv, wl, e in errors]
@@ -233,6 +238,24 @@ def shared_prompt_table(summaries: list[dict]) -> list[str]:
         blocks = _div(shared["cached_blocks_end"], private["cached_blocks_end"])
         lines += ["", f"With `--public-prefix` / without: tenants 2.. first TTFT {fmt(ttft, 'x')}, peak KV usage "
                   f"{fmt(kv, 'x')}, cached blocks at the end {fmt(blocks, 'x')}."]  # fmt: skip
+    return lines
+
+
+def noisy_neighbour_table(summaries: list[dict]) -> list[str]:
+    """Quiet tenants' TTFT beside a noisy one (fan-out at the limit) against the same workload alone."""
+    rows = [s for s in summaries if s["workload"] == "noisy-neighbour"]
+    if not rows:
+        return []
+    lines = ["", "Noisy neighbour: quiet tenants' TTFT while another sends fan-out requests at the limit, against",
+             "the same workload alone (ratios: beside the noisy tenant / alone; 1 is perfect isolation).", "",
+             "| server | alone p50 | alone p90 | beside p50 | beside p90 | p50 ratio | p90 ratio | noisy requests ok/sent |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in rows:
+        p50, p90 = s["ttft_p50_by_tag"], s["ttft_p90_by_tag"]
+        a50, a90, n50, n90 = p50.get("alone"), p90.get("alone"), p50.get("noisy"), p90.get("noisy")
+        lines.append(f"| {s['server']} | {fmt(a50, ' s')} | {fmt(a90, ' s')} | {fmt(n50, ' s')} | {fmt(n90, ' s')} | "
+                     f"{fmt(_div(n50, a50), 'x', 2)} | {fmt(_div(n90, a90), 'x', 2)} | "
+                     f"{s['noise_ok']}/{s['noise_sent']} |")  # fmt: skip
     return lines
 
 

@@ -71,6 +71,8 @@ class WorkloadResult:
     cache_hits: float | None = None
     kv_usage_peak: float | None = None  # highest brine_kv_cache_usage_perc seen while it ran (sample_kv)
     cached_blocks_end: float | None = None  # brine_num_cached_blocks once it finished (sample_kv)
+    noise_sent: int = 0  # noisy-neighbour: the noisy tenant's requests, and how many succeeded
+    noise_ok: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -220,9 +222,8 @@ async def run_workload(
 
         sampler = asyncio.ensure_future(sample()) if workload.sample_kv else None
         t0 = time.perf_counter()
-        bar = tqdm(
-            total=len(workload.requests), desc=f"{server or base_url} {workload.name}", disable=not progress
-        )
+        total = len(workload.baseline) + len(workload.requests)
+        bar = tqdm(total=total, desc=f"{server or base_url} {workload.name}", disable=not progress)
 
         async def one(req: BenchRequest) -> RequestResult | None:
             async with sems[req.wave]:  # acquired in submission order, so sequential waves keep their order
@@ -232,9 +233,17 @@ async def run_workload(
                 bar.update(1)
                 return res
 
-        results: list[RequestResult | None] = []
-        for w in waves:
-            results += await asyncio.gather(*(one(r) for r in workload.requests if r.wave == w))
+        # noisy-neighbour: the baseline alone first, then the measured requests beside the noisy tenant.
+        results: list[RequestResult | None] = list(await asyncio.gather(*(one(r) for r in workload.baseline)))
+        noise = Noise(client, base_url, model, workload.noise) if workload.noise else None
+        if noise is not None:
+            await noise.start()
+        try:
+            for w in waves:
+                results += await asyncio.gather(*(one(r) for r in workload.requests if r.wave == w))
+        finally:
+            if noise is not None:
+                await noise.stop()
         duration = time.perf_counter() - t0
         bar.close()
         done.set()
@@ -244,12 +253,46 @@ async def run_workload(
         after = await read_cache_counters(client, base_url)
     out = WorkloadResult(workload.name, server, workload.params, workload.concurrency, duration,
                          [r for r in results if r is not None])  # fmt: skip
+    if noise is not None:
+        out.noise_sent, out.noise_ok = noise.sent, noise.ok
     if before is not None and after is not None:
         out.cache_queries, out.cache_hits = after[0] - before[0], after[1] - before[1]
     if peak:
         out.kv_usage_peak = max(peak)
     out.cached_blocks_end = gauges.get("brine_num_cached_blocks")
     return out
+
+
+class Noise:
+    """A noisy tenant: sends one `body` to /v1/completions after another until stopped (then its request in
+    flight is cancelled, which a server sees as a disconnect)."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str, body: dict) -> None:
+        self._client, self._url = client, f"{base_url}/v1/completions"
+        self._body = {"model": model, **body}
+        self._task: asyncio.Task | None = None
+        self.sent = self.ok = 0
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._loop())
+        await asyncio.sleep(0.5)  # let the first one reach the server before the measured requests
+
+    async def _loop(self) -> None:
+        while True:
+            self.sent += 1
+            try:
+                r = await self._client.post(self._url, json=self._body)
+                self.ok += r.status_code == 200
+                if r.status_code != 200:
+                    await asyncio.sleep(0.5)  # a server that refuses it: keep asking, not in a hot loop
+            except httpx.HTTPError:
+                await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
 def to_json(result: WorkloadResult) -> dict:
@@ -259,7 +302,11 @@ def to_json(result: WorkloadResult) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--workload", choices=[*WORKLOADS, "prefix-sweep", *TENANT_WORKLOADS], default="doc-qa")
+    p.add_argument(
+        "--workload",
+        choices=[*WORKLOADS, "prefix-sweep", "noisy-neighbour", *TENANT_WORKLOADS],
+        default="doc-qa",
+    )
     p.add_argument("--api-key", default=None, help="the operator's key (for /metrics and /v1/models)")
     p.add_argument(
         "--write-server-files",

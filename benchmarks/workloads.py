@@ -56,6 +56,10 @@ class Workload:
     sample_kv: bool = False
     tenant_keys: dict[str, str] = field(default_factory=dict)  # tenant id -> API key the requests use
     public_prefix: list[dict[str, str]] | None = None  # chat messages a server may declare public
+    # noisy-neighbour only: the same requests' twin on other documents, run alone first (the baseline), and
+    # the /v1/completions body a noisy tenant sends back to back while `requests` run.
+    baseline: list[BenchRequest] = field(default_factory=list)
+    noise: dict | None = None
 
 
 def document(rng: random.Random, tokens: int, header: str) -> str:
@@ -246,11 +250,53 @@ def write_server_files(workload: Workload, directory: Path) -> tuple[Path, Path 
     return tenants, prefix
 
 
+def noisy_neighbour(
+    seed: int,
+    quiet_tenants: int = 3,
+    doc_tokens: int = 1000,
+    questions: int = 4,
+    fan_prompts: int = 128,
+    fan_n: int = 2,
+    fan_max_tokens: int = 16,
+    max_tokens: int = 16,
+) -> Workload:
+    """Quiet tenants ask doc-qa questions (each its own document and salt, one request in flight per tenant)
+    while a noisy tenant sends fan-out requests at Brine's default limit (128 prompts x n=2 = 256 sequences)
+    back to back. The same quiet requests on other documents first run alone: the baseline."""
+
+    def quiet(s: int, tag: str) -> list[BenchRequest]:
+        rng = random.Random(s)
+        docs = [document(rng, doc_tokens, f"noisy-neighbour {s} tenant {t}") for t in range(quiet_tenants)]
+        return [
+            BenchRequest(ask(docs[t], question(q)), tag, f"tenant-{t}", f"quiet-{s}-{t}", max_tokens)
+            for q in range(questions)
+            for t in range(quiet_tenants)
+        ]
+
+    noise = {
+        "prompt": [f"Tell me a story about the number {i}." for i in range(fan_prompts)],
+        "n": fan_n,
+        "max_tokens": fan_max_tokens,
+        "temperature": 1.0,
+    }
+    params = {"quiet_tenants": quiet_tenants, "doc_tokens": doc_tokens, "questions": questions,
+              "fan_prompts": fan_prompts, "fan_n": fan_n, "fan_max_tokens": fan_max_tokens}  # fmt: skip
+    return Workload(
+        "noisy-neighbour",
+        quiet(seed + 1, "noisy"),
+        quiet_tenants,
+        params,
+        baseline=quiet(seed, "alone"),
+        noise=noise,
+    )
+
+
 def build(name: str, seed: int, **sizes: int) -> Workload:
     """A workload by name; `sizes` override the builder's keyword defaults (unknown ones raise TypeError)."""
     builders = {"doc-qa": doc_qa, "tenants": tenants, "prefix-repetition": prefix_repetition, "unique": unique,
                 "isolation": isolation, "prefix-sweep": prefix_sweep,
-                "shared-system-prompt": shared_system_prompt}  # fmt: skip
+                "shared-system-prompt": shared_system_prompt,
+                "noisy-neighbour": noisy_neighbour}  # fmt: skip
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(builders)}")
     return builders[name](seed, **sizes)

@@ -132,10 +132,13 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         namespace: CacheNamespace | None = None,
+        owner: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields deltas; the last has finished=True. ValueError before the first yield for a request that can
         never run. Closing or cancelling the iterator aborts the request (blocks freed at the next step).
-        `namespace`: whose cached blocks the request may reuse (None: the shared unsalted namespace)."""
+        `namespace`: whose cached blocks the request may reuse (None: the shared unsalted namespace).
+        `owner`: whom the scheduler shares fairly between; requests naming the same owner (the prompts of one
+        API request, a tenant's requests) share one fair share. Default: this request alone."""
         self._core.check_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -145,7 +148,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, stream, list(prompt_token_ids), params, namespace))
+        self._inbox.put(("add", request_id, stream, list(prompt_token_ids), params, namespace, owner))
         finished = False
         try:
             while not finished:
@@ -219,12 +222,12 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
         if cmd[0] == "add":
-            _, request_id, stream, prompt, params, namespace = cmd
+            _, request_id, stream, prompt, params, namespace, owner = cmd
             with self._streams_lock:
                 if self._streams.get(request_id) is not stream:  # the caller went away before we saw it
                     return []
             try:
-                outputs = self._core.add_request(request_id, prompt, params, namespace=namespace)
+                outputs = self._core.add_request(request_id, prompt, params, namespace=namespace, owner=owner)
             except Exception as exc:  # a bug in adding one request must not kill the engine
                 logger.exception("could not add request %s", request_id)
                 _push(stream, exc)

@@ -10,6 +10,11 @@ starts a few tokens back, not the single new id, keeps tokenizers whose decoders
 `TextStream` sits on top: it accumulates a sequence's text, cuts it at the first stop string (which is not
 output unless asked for) and holds back a tail that might still become a stop string, so a streamed partial
 match is never shown and then taken back.
+
+Costs per token do not grow with hostile stop lists (the server caps their number and length too): the search
+for a stop looks only at the new text plus the longest stop's length before it, and the tail held back is a
+constant, the longest stop's length minus one, computed once per sequence (as vLLM does), instead of testing
+every prefix of every stop against the text on every token.
 """
 
 from __future__ import annotations
@@ -58,8 +63,12 @@ class TextStream:
 
     def __init__(self, decode: Decode, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self._detok = IncrementalDetokenizer(decode, prompt_token_ids)
-        self._stops = [s for s in params.stop if s]
+        self._stops = list(dict.fromkeys(s for s in params.stop if s))  # duplicates cost, never match more
         self._include_stop = params.include_stop_str_in_output
+        # A tail this long might still be the start of a stop string. With include_stop_str_in_output nothing
+        # is held: a partial match is shown either way, as text or as the start of the included stop.
+        longest = max((len(s) for s in self._stops), default=0)
+        self._holdback = 0 if self._include_stop else max(0, longest - 1)
         self._min_tokens = params.min_tokens
         self.text = ""
         self._sent = 0  # len of text already handed out
@@ -93,22 +102,12 @@ class TextStream:
         return stop
 
     def take_delta(self, finished: bool) -> str:
-        """Text not yet sent. While unfinished, a tail that is a prefix of a stop string is held back."""
+        """Text not yet sent. While unfinished, the last (longest stop string - 1) characters are held back."""
         if finished and self.stopped_by is None:
             self.text += self._detok.flush()
-        end = len(self.text) if finished or self.stopped_by is not None else len(self.text) - self._holdback()
+        end = len(self.text) if finished or self.stopped_by is not None else len(self.text) - self._holdback
         if end <= self._sent:
             return ""
         delta = self.text[self._sent : end]
         self._sent = end
         return delta
-
-    def _holdback(self) -> int:
-        """Length of the longest tail of the text that could still grow into a stop string."""
-        best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:k]):
-                    best = k
-                    break
-        return best

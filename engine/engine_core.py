@@ -97,8 +97,11 @@ class EngineCore:
         *,
         namespace: CacheNamespace | None = None,
         arrival_time: float | None = None,
+        owner: str | None = None,
     ) -> list[RequestOutput]:
-        """Queues a request (n sequences). Returns an error output if it cannot be added, else []."""
+        """Queues a request (n sequences). Returns an error output if it cannot be added, else [].
+        `owner`: whom the scheduler shares fairly between (several requests may name one owner: the prompts
+        of one API request); default: this request, all its n sequences together."""
         try:
             self.check_request(prompt_token_ids, params)
             arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -111,7 +114,16 @@ class EngineCore:
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
                 hasher = self.kv.make_hasher(namespace, prompt_token_ids)
                 children.append(
-                    Request(child_id, prompt_token_ids, child_params, namespace, hasher, arrival, index=i)
+                    Request(
+                        child_id,
+                        prompt_token_ids,
+                        child_params,
+                        namespace,
+                        hasher,
+                        arrival,
+                        index=i,
+                        owner=owner or request_id,
+                    )
                 )
             self.outputs.add(request_id, prompt_token_ids, children)
         except Exception as exc:

@@ -62,6 +62,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Which of the parent request's n sequences this is (CompletionOutput.index).
     index: int = 0
+    # Whom the scheduler shares slots and tokens fairly between: every sequence of one API request (all its
+    # prompts, all n) carries the same owner. Empty: the request's own id.
+    owner: str = ""
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -82,6 +85,7 @@ class Request:
     last_token_time: float | None = None
 
     def __post_init__(self) -> None:
+        self.owner = self.owner or self.request_id
         # A copy: the caller's list must not grow with our outputs (n > 1 children share one prompt list).
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None:

@@ -140,7 +140,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
-                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                stop = p.stop_token_set if p.ignore_eos else p.stop_token_set.union(self.eos_token_ids)
                 stop = [t for t in stop if 0 <= t < logits.shape[1]]
                 rows += [i] * len(stop)
                 toks += stop

@@ -30,6 +30,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob plus top k
     prompt_logprobs: int | None = None  # same, for prompt tokens (completions echo + logprobs)
     include_stop_str_in_output: bool = False
+    # stop_token_ids as a set, built once per request (each of n children builds its own, once): the scheduler
+    # tests every sampled token against it and the sampler masks it while min_tokens holds, so a list would
+    # cost its length per token per sequence.
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.stop_token_set = frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -3,12 +3,25 @@
 Every request carries `num_computed_tokens`; a step moves it towards `num_tokens`. One rule covers a fresh
 prefill, a prefill that starts after a prefix hit, a chunk of a long prefill and a decode step: schedule
 `min(num_tokens - num_computed_tokens, budget left)` tokens. Running requests go first (oldest first), then
-waiting ones (FCFS) while the budget, `max_num_seqs` and the KV cache allow.
+waiting ones while the budget, `max_num_seqs` and the KV cache allow.
 
-When the KV cache runs out, the newest running request is preempted: its blocks are freed and it goes back to
-the front of the waiting queue to be recomputed later (its own blocks, still hashed in the free queue, will
-usually hit). Nothing is failed for lack of blocks; requests that could never fit are refused by
-`check_request` before they get here.
+Fairness between owners (an owner is one API request, all its prompts and n sequences; a tenant once tenants
+exist), so that one request's fan-out or one long prompt cannot hold everyone else's first token behind it:
+- admission is round-robin across owners (`FairQueue`), FIFO within an owner;
+- while more than one owner has work, each owner's fair share is `max_num_seqs / owners` running sequences
+  and `max_num_batched_tokens / owners` tokens per step. An owner at its share is admitted only when no owner
+  below its share waits; a prefill chunk is cut at its owner's token share, and whatever budget the others
+  leave over is handed back to the cut chunks at the end of the step (work-conserving: alone, a request gets
+  the whole budget, so throughput is as before);
+- an owner waiting below its share, when slots or KV blocks are short, preempts the newest sequences of the
+  owner running the most sequences above its share (recomputed later, usually from their own cached blocks).
+  KV preemption during a step takes its victim from the same owner.
+A single-sequence request is never above its share, so this never preempts plain traffic for plain traffic.
+
+When the KV cache runs out, a running request is preempted: its blocks are freed and it goes back to the
+front of its owner's queue (and its owner to the front of the turn order) to be recomputed later (its own
+blocks, still hashed in the free queue, will usually hit). Nothing is failed for lack of blocks; requests that
+could never fit are refused by `check_request` before they get here.
 
 Rules for callers: `schedule()` and `update()` alternate, one `update` per `schedule`; requests are finished
 from outside only between the two (`finish_requests`), which frees their blocks at once.
@@ -16,10 +29,11 @@ from outside only between the two (`finish_requests`), which frees their blocks 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.fair_queue import FairQueue
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from kv_cache.manager import KVCacheManager
@@ -57,8 +71,9 @@ class Scheduler:
         # A sequence of N tokens needs N - 1 KV slots to sample its next token; past the whole pool it can
         # never run again, so it stops there ("length") instead of preempting itself forever.
         self.kv_capacity = kv.num_blocks * kv.block_size
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()
         self.running: list[Request] = []  # admission order: the last one is the newest
+        self._num_running: Counter[str] = Counter()  # owner -> its running sequences
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # for the runner, sent with the next schedule()
         self.num_preemptions = 0  # since the last take_num_preemptions()
@@ -95,43 +110,116 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        owners = set(self._num_running) | set(self.waiting.owners())
+        seq_share = max(1, self.max_num_seqs // max(1, len(owners)))
+        token_share = max(1, self.max_num_batched_tokens // max(1, len(owners)))
+        self._make_room(seq_share, token_share)
         budget = self.max_num_batched_tokens
+        given: Counter[str] = Counter()  # tokens scheduled per owner in this step
         scheduled: list[ScheduledRequest] = []
+        cut: list[int] = []  # indexes into `scheduled` of prefill chunks cut at their owner's share
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            # A decode (one token) is never cut: it is cheap, and cutting it would stall the sequence.
+            num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
             while self.kv.allocate_slots(req, num_new) is None:
                 preempted = True
-                victim = self.running.pop()  # the newest; never one scheduled earlier in this loop
+                victim = self._kv_victim(i)  # never one scheduled earlier in this loop
+                self.running.remove(victim)
                 self._preempt(victim)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
+            if num_new < min(remaining, budget):
+                cut.append(len(scheduled))
             scheduled.append(self._scheduled(req, num_new))
+            given[req.owner] += num_new
             budget -= num_new
             i += 1
         # Requests just preempted for room must not be overtaken by newer ones in the same step.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             if self.kv.num_free_blocks == 0:
                 break  # every admission needs a new block: skip a lookup that cannot succeed
-            req = self.waiting[0]
+            req = self._next_to_admit(seq_share)
             hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - hit.num_tokens, budget)
+            remaining = req.num_tokens - hit.num_tokens
+            num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
             if self.kv.allocate_slots(req, num_new, hit) is None:
-                break  # FCFS: the head waits for blocks rather than letting smaller requests jump ahead
-            self.waiting.popleft()
+                break  # the head waits for blocks rather than letting smaller requests jump ahead
+            self.waiting.pop(req)
             req.num_computed_tokens = hit.num_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._num_running[req.owner] += 1
+            if num_new < min(remaining, budget):
+                cut.append(len(scheduled))
             scheduled.append(self._scheduled(req, num_new))
+            given[req.owner] += num_new
             budget -= num_new
+        budget = self._top_up(scheduled, cut, budget)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, finished)
+
+    # ---- fairness --------------------------------------------------------------------------------------
+
+    def _next_to_admit(self, seq_share: int) -> Request:
+        """The next owner in turn that runs fewer than its share of sequences; if every waiting owner is at its
+        share, the next in turn anyway (a free slot is never left idle)."""
+        first: Request | None = None
+        for owner, head in self.waiting.heads():
+            if self._num_running[owner] < seq_share:
+                return head
+            first = first or head
+        assert first is not None  # the caller checked that something waits
+        return first
+
+    def _make_room(self, seq_share: int, token_share: int) -> None:
+        """Preempts sequences of owners above their share while an owner below its share waits and the free
+        slots or KV blocks could not take its next sequence."""
+        starved = [head for owner, head in self.waiting.heads() if self._num_running[owner] < seq_share]
+        if not starved:
+            return
+        bs = self.kv.block_size
+        # Blocks the starved heads' first chunks need at most (a prefix hit only lowers it), plus one per
+        # running sequence for its next token.
+        blocks = sum(-(-min(r.num_tokens, token_share) // bs) for r in starved) + len(self.running)
+        while (
+            len(self.running) + len(starved) > self.max_num_seqs or blocks > self.kv.num_free_blocks
+        ) and self.running:
+            owner, count = max(self._num_running.items(), key=lambda kv: kv[1])
+            if count <= seq_share:
+                return  # nobody is above its share: the starved wait their turn
+            victim = next(r for r in reversed(self.running) if r.owner == owner)
+            self.running.remove(victim)
+            self._preempt(victim)
+            blocks -= 1
+
+    def _kv_victim(self, i: int) -> Request:
+        """The request to preempt for KV room while running[i] is being scheduled: the newest not yet scheduled
+        in this step (running[i:]) of the owner with the most running sequences among them."""
+        newest_first = self.running[i:][::-1]
+        # max() keeps the first of equals: among owners tied for the most sequences, the newest request's.
+        return max(newest_first, key=lambda r: self._num_running[r.owner])
+
+    def _top_up(self, scheduled: list[ScheduledRequest], cut: list[int], budget: int) -> int:
+        """Gives the budget nobody else used back to prefill chunks cut at their owner's share."""
+        for k in cut:
+            if budget <= 0:
+                break
+            sr = scheduled[k]
+            req = self.requests[sr.request_id]
+            extra = min(req.num_tokens - req.num_computed_tokens - len(sr.new_token_ids), budget)
+            if extra <= 0 or self.kv.allocate_slots(req, len(sr.new_token_ids) + extra) is None:
+                continue
+            scheduled[k] = self._scheduled(req, len(sr.new_token_ids) + extra)
+            budget -= extra
+        return budget
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         """Applies a step's results: advances num_computed_tokens, appends sampled tokens, checks the
@@ -170,7 +258,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
+            if token in params.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in self.eos_token_ids:
@@ -196,6 +284,7 @@ class Scheduler:
                 continue
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
+                self._drop_running(req)
                 self.kv.free(req)
             else:  # waiting or preempted: holds no blocks
                 self.waiting.remove(req)
@@ -206,13 +295,20 @@ class Scheduler:
         return done
 
     def _preempt(self, req: Request) -> None:
+        """Frees a running request's blocks (the caller took it out of `running`) and requeues it."""
+        self._drop_running(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         # Victims are taken newest first, so prepending keeps the older one ahead.
-        self.waiting.appendleft(req)
+        self.waiting.push_front(req)
+
+    def _drop_running(self, req: Request) -> None:
+        self._num_running[req.owner] -= 1
+        if not self._num_running[req.owner]:
+            del self._num_running[req.owner]
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -233,6 +329,15 @@ class Scheduler:
     def take_num_preemptions(self) -> int:
         n, self.num_preemptions = self.num_preemptions, 0
         return n
+
+    def check_invariants(self) -> None:
+        """For tests, after any step: the per-owner counts match `running`, and every request is in exactly
+        one of running / waiting."""
+        assert self._num_running == Counter(r.owner for r in self.running), "per-owner running counts drifted"
+        assert len(self.running) <= self.max_num_seqs
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert sorted(ids) == sorted(self.requests), "a request is lost or in two queues"
+        assert len(self.waiting) == sum(1 for _ in self.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -22,6 +22,7 @@ from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
 from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError, bad_request, error_body, install_error_handlers
 from server.generation import ClientDisconnected
+from server.limits import RequestLimits
 from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
 from server.params import check_chat_template, check_model
 from server.prompts import encode, render_chat
@@ -30,6 +31,7 @@ from server.responses import now
 from server.serving_chat import create_chat_completion
 from server.serving_completion import create_completion
 from server.tenancy import TenancyConfig, request_owner
+from server.text_check import check_text
 
 
 class MetricsRenderer(Protocol):
@@ -53,14 +55,16 @@ def create_app(
     metrics: MetricsRenderer | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     tenancy: TenancyConfig | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
-    api_keys: the operator's keys. When there are any (or tenants), every route but `GET /health` needs
+    api_keys: the operator's keys. When there are any (or tenants), every route but `GET`/`HEAD /health` needs
         `Authorization: Bearer <key>` (`/docs` and `/openapi.json` included).
     tenancy: tenants' keys, the gateway header and --require-cache-salt (server.tenancy); default: none.
     metrics: what `GET /metrics` renders (a `metrics.prometheus.PrometheusStatLogger`); empty body if None.
     max_body_bytes: larger request bodies are refused with a 413 before they are read whole.
+    limits: what one generation request may ask for (`server.limits`); the defaults when None.
     """
     app = FastAPI(
         title="Brine",
@@ -77,8 +81,10 @@ def create_app(
     install_openapi(app)
     # Added last = outermost: a request without a valid key is refused before its body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-    if api_keys or tenancy.tenants is not None:
-        app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), tenants=tenancy.tenants)
+    # Always installed: with no keys (and no tenants) it lets HTTP through, and still refuses WebSockets and
+    # other scopes.
+    app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), tenants=tenancy.tenants)
+    app.state.limits = limits or RequestLimits()
     created = now()
 
     @app.exception_handler(ClientDisconnected)
@@ -126,6 +132,9 @@ def create_app(
         body = error_body("The engine is not running.", type=SERVER_ERROR, code="engine_dead")
         return JSONResponse(body, status_code=503)
 
+    # HEAD too: load balancers probe with it (the server sends the GET answer's status and headers only).
+    app.head("/health", include_in_schema=False)(health)
+
     @app.get("/version", operation_id="version")
     async def version() -> dict:
         return {"version": _version()}
@@ -139,6 +148,7 @@ def create_app(
 
     @app.post("/tokenize", operation_id="tokenize", responses=BODY_ERRORS)
     async def tokenize(req: TokenizeRequest) -> dict:
+        check_text(req)
         check_model(req.model, engine.model_name)
         check_chat_template(req.chat_template)
         if (req.prompt is None) == (req.messages is None):
@@ -156,12 +166,17 @@ def create_app(
             )
         else:
             tokens = await run_in_threadpool(
-                encode, engine.tokenizer, req.prompt or "", add_special_tokens=req.add_special_tokens
+                encode,
+                engine.tokenizer,
+                req.prompt or "",
+                add_special_tokens=req.add_special_tokens,
+                param="prompt",
             )
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", operation_id="detokenize", responses=BODY_ERRORS)
     async def detokenize(req: DetokenizeRequest) -> dict:
+        check_text(req)
         check_model(req.model, engine.model_name)
         vocab = vocab_size(engine.tokenizer)
         if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):

@@ -1,4 +1,4 @@
-"""Bearer-token authentication for every route except `GET /health`, and who the caller is.
+"""Bearer-token authentication for every route except `GET`/`HEAD /health`, and who the caller is.
 
 Two kinds of key: the operator's (`--api-key` / `BRINE_API_KEY`), which open every route, and tenants' (from
 `--tenants`, matched by the SHA-256 of the key), which open only the routes a tenant needs and put the request
@@ -8,6 +8,10 @@ global prefix-cache reset would let one tenant flush (and then time) everyone's 
 
 A pure ASGI middleware rather than Starlette's `BaseHTTPMiddleware`: the latter wraps streaming responses in
 its own task group, which delays client-disconnect detection (and so engine aborts) for SSE streams.
+
+Only HTTP gets through (and `lifespan`, the server's own start/stop messages): a WebSocket is closed before
+it is accepted, whatever its headers, and any other scope type is refused, so a route added later cannot be
+reached around the key check.
 """
 
 from __future__ import annotations
@@ -49,7 +53,17 @@ class ApiKeyMiddleware:
         self.tenants = dict(tenants) if tenants is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (not self.keys and self.tenants is None):
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            # 1008: policy violation. Closing before accepting makes the server answer the handshake with a 403.
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":
+            raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
+        if not self.keys and self.tenants is None:
             await self.app(scope, receive, send)
             return
         if (scope.get("method", "GET"), scope.get("path", "")) in _OPEN_ROUTES:

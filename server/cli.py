@@ -130,8 +130,53 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[],
-        help="require 'Authorization: Bearer <key>' on every route but GET /health (/docs and /openapi.json "
+        help="require 'Authorization: Bearer <key>' on every route but GET/HEAD /health (/docs and /openapi.json "
         "included); repeat for several keys. The BRINE_API_KEY environment variable adds one more.",
+    )
+    limits = s.add_argument_group(
+        "per-request limits", "what one request may ask for; more is a 400 naming the parameter"
+    )
+    limits.add_argument(
+        "--max-stop-strings",
+        type=_positive,
+        default=4,
+        metavar="N",
+        help="stop strings per request (default: %(default)s, as OpenAI)",
+    )
+    limits.add_argument(
+        "--max-stop-string-chars",
+        type=_positive,
+        default=1024,
+        metavar="N",
+        help="characters per stop string (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-stop-token-ids",
+        type=_positive,
+        default=256,
+        metavar="N",
+        help="stop_token_ids entries per request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-logit-bias",
+        type=_positive,
+        default=1024,
+        metavar="N",
+        help="logit_bias entries per request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-prompts-per-request",
+        type=_positive,
+        default=128,
+        metavar="N",
+        help="prompts in one /v1/completions request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-seqs-per-request",
+        type=_positive,
+        default=256,
+        metavar="N",
+        help="sequences one request may start: prompts x n (default: %(default)s)",
     )
     s.add_argument(
         "--tenants",
@@ -220,6 +265,19 @@ def engine_config(args: argparse.Namespace, stat_loggers: list[Any]) -> Any:
         max_model_len=args.max_model_len,
         batch_invariant=args.batch_invariant,
         stat_loggers=stat_loggers,
+    )
+
+
+def request_limits(args: argparse.Namespace) -> Any:
+    from server.limits import RequestLimits
+
+    return RequestLimits(
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_logit_bias=args.max_logit_bias,
+        max_prompts=args.max_prompts_per_request,
+        max_seqs_per_request=args.max_seqs_per_request,
     )
 
 

@@ -44,6 +44,7 @@ class EngineClient(Protocol):
         *,
         request_id: str | None = None,
         namespace: CacheNamespace | None = None,
+        owner: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

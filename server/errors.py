@@ -1,8 +1,11 @@
 """OpenAI-shaped errors: the one exception routes raise, and the handlers that turn every failure
 (validation, unknown route, bad JSON, unexpected exceptions) into `{"error": {message, type, param, code}}`.
 
-Messages never repeat user input verbatim: a request's `cache_salt` (or any other field) must not leak
-into responses or logs through an error message.
+Messages never repeat a field's value: a request's `cache_salt` (or any other field) must not leak into
+responses or logs through an error message, and neither do the keys of a map the client sends (`logit_bias`,
+`chat_template_kwargs`). Two kinds of input may appear, on purpose: the unknown model's name in a 404
+(truncated to 100 characters, as OpenAI names it), and the words of the model's own chat template when it
+refuses the messages (its `raise_exception(...)` text).
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(message, status=400, param=param, code=code)
 
 
+# Fields whose keys the client chooses: an error below one is reported at the field, not at the key.
+_MAP_FIELDS = frozenset({"logit_bias", "chat_template_kwargs"})
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """A failed body validation as a 400, naming the offending top-level field as `param`.
 
@@ -89,7 +96,11 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
 def _loc(error: Any) -> list[str]:
     loc = [str(part) for part in error.get("loc", ())]
-    return loc[1:] if loc and loc[0] == "body" else loc  # FastAPI prefixes body errors with "body"
+    loc = loc[1:] if loc and loc[0] == "body" else loc  # FastAPI prefixes body errors with "body"
+    for i, part in enumerate(loc):
+        if part in _MAP_FIELDS:
+            return loc[: i + 1]
+    return loc
 
 
 def install_error_handlers(app: FastAPI) -> None:

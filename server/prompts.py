@@ -1,13 +1,17 @@
 """Turning request input into prompt token ids: chat messages through the model's chat template, and the
 four shapes of a completions `prompt`.
 
-Template errors (a template that rejects a role order, say) are the client's to fix: they become 400s.
+Template errors (a template that rejects a role order, say) are the client's to fix: they become 400s, and
+so does text the tokenizer cannot take; each is one log line, never a traceback.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
+
+from jinja2 import TemplateError
 
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
@@ -49,12 +53,26 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def encode(tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool) -> list[int]:
+def _takes_add_special_tokens(tokenizer: TokenizerLike) -> bool:
     try:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # type: ignore[call-arg]
-    except TypeError:
+        params = inspect.signature(tokenizer.encode).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume the plain form
+        return False
+    return "add_special_tokens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def encode(
+    tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool, param: str = "prompt"
+) -> list[int]:
+    """Token ids of `text`; text the tokenizer refuses is the client's to fix: a 400 naming `param`."""
+    try:
+        if _takes_add_special_tokens(tokenizer):
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # type: ignore[call-arg]
         # A tokenizer whose encode() takes no such keyword: its default is the only behaviour it has.
         return list(tokenizer.encode(text))
+    except Exception as exc:
+        logger.info("the tokenizer refused the text of %s: %s", param, type(exc).__name__)
+        raise bad_request(f"{param} contains text that cannot be tokenized.", param, "invalid_text") from None
 
 
 def render_chat(
@@ -85,11 +103,15 @@ def render_chat(
         )
     except Exception as exc:  # jinja may raise anything; all of it is the request's fault
         logger.info("chat template rejected a request: %s", type(exc).__name__)
-        raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
+        # Only the template's own words are repeated (raise_exception("Conversation roles must alternate"),
+        # an undefined name): any other exception's text may quote the request's messages back.
+        cause = exc if isinstance(exc, TemplateError) else exc.__cause__
+        reason = f": {cause.message}" if isinstance(cause, TemplateError) and cause.message else ""
+        raise bad_request(f"The chat template could not render these messages{reason}.", "messages") from None
     if not isinstance(text, str):
         raise bad_request("The chat template did not produce text.", "messages")
     # The rendered template already contains the special tokens it wants (BOS included, if any).
-    return encode(tokenizer, text, add_special_tokens=False)
+    return encode(tokenizer, text, add_special_tokens=False, param="messages")
 
 
 def completion_prompts(
@@ -109,7 +131,7 @@ def completion_prompts(
     out: list[list[int]] = []
     for item in raw:
         if isinstance(item, str):
-            out.append(encode(tokenizer, item, add_special_tokens=True))
+            out.append(encode(tokenizer, item, add_special_tokens=True, param="prompt"))
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", "prompt")

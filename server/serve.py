@@ -1,15 +1,40 @@
 """What `brine serve` does once its arguments are parsed: resolve the model, build the engine with a
 Prometheus and a logging stat logger, say what was loaded, and run uvicorn until interrupted.
+
+Access logs carry the client address, method, path and status only: the query string is cut off (a client may
+put a key there, `?api_key=...`) and request bodies (and their cache_salt) never reach a log.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import logging
 from typing import Any
 
 logger = logging.getLogger("brine.serve")
+
+
+class DropQueryString(logging.Filter):
+    """Cuts the query string off uvicorn's access-log lines, whose arguments are
+    (client, method, path with query, http version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (args[0], args[1], args[2].split("?", 1)[0], args[3], args[4])
+        return True
+
+
+def log_config() -> dict[str, Any]:
+    """uvicorn's own logging config, with `DropQueryString` on its access-log handler."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["drop_query_string"] = {"()": DropQueryString}
+    config["handlers"]["access"]["filters"] = ["drop_query_string"]
+    return config
 
 
 def _kv_summary(engine: Any) -> str:
@@ -47,7 +72,7 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     from metrics.log_stats import LoggingStatLogger
     from metrics.prometheus import PrometheusStatLogger
     from server.app import create_app
-    from server.cli import engine_config
+    from server.cli import engine_config, request_limits
     from server.public_prefix import read_public_prefix, render_public_prefix
 
     # Configuration files first: a bad line refuses to start before the (slow) model load.
@@ -116,10 +141,10 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
             logger.info(
                 "cache namespace from the %s header (trusted: a gateway must set it)", tenancy.salt_header
             )
-        app = create_app(engine, api_keys=api_keys, metrics=prometheus, tenancy=tenancy)
-        # Access logs carry method, path and status only: request bodies (and their cache_salt) never
-        # reach a log.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        app = create_app(
+            engine, api_keys=api_keys, metrics=prometheus, tenancy=tenancy, limits=request_limits(args)
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config())
     finally:
         engine.shutdown()
     return 0

@@ -18,11 +18,13 @@ from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
+from server.limits import check_limits
 from server.params import check_chat_features, check_model, sampling_params
 from server.prompts import render_chat
 from server.protocol import ChatCompletionRequest
 from server.responses import TokenTexts, chat_logprobs, finish_reason, new_id, now, usage
 from server.tenancy import request_namespace
+from server.text_check import check_text
 
 
 @dataclass(slots=True)
@@ -59,6 +61,8 @@ async def create_chat_completion(
 ) -> Response:
     """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
     salt = req.cache_salt
+    check_text(req)  # first: a field that is not valid Unicode cannot even be named back in an error
+    check_limits(req, request.app.state.limits)  # before anything is tokenized
     namespace = request_namespace(request, salt)
     check_model(req.model, engine.model_name)
     check_chat_features(req)

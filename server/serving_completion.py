@@ -17,11 +17,13 @@ from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
+from server.limits import check_limits
 from server.params import check_completion_features, check_model, sampling_params
 from server.prompts import completion_prompts
 from server.protocol import CompletionRequest
 from server.responses import CompletionLogprobs, TokenTexts, finish_reason, new_id, now, usage
 from server.tenancy import request_namespace
+from server.text_check import check_text
 
 
 @dataclass(slots=True)
@@ -121,6 +123,8 @@ def _final_reason(reason: FinishReason | None) -> str:
 async def create_completion(engine: EngineClient, req: CompletionRequest, request: Request) -> Response:
     """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
     salt = req.cache_salt
+    check_text(req)  # first: a field that is not valid Unicode cannot even be named back in an error
+    check_limits(req, request.app.state.limits)  # before anything is tokenized
     namespace = request_namespace(request, salt)
     check_model(req.model, engine.model_name)
     check_completion_features(req)

@@ -222,8 +222,9 @@ def test_compare_writes_report_json_and_charts(fake, tmp_path: Path) -> None:  #
     md_path = compare.main(["--external", f"fake={url}", "--preset", "tiny", "--out-dir", str(tmp_path),
                             "--name", "smoke"])  # fmt: skip
     md = md_path.read_text()
-    for name in (*WORKLOADS, "prefix-sweep"):
+    for name in (*WORKLOADS, "prefix-sweep", "noisy-neighbour"):
         assert f"| {name} | fake |" in md
+    assert "Noisy neighbour: quiet tenants' TTFT" in md and "\n| fake | " in md.split("Noisy neighbour")[1]
     data = json.loads((tmp_path / "smoke.json").read_text())
     iso = next(s for s in data["summaries"] if s["workload"] == "isolation")
     assert iso["cached_tokens_by_tag"]["other-tenant"] == 0
@@ -284,3 +285,17 @@ def test_shared_system_prompt_sends_tenant_keys_and_the_system_prompt(fake, tmp_
     assert "--public-prefix" in specs[0].cmd and "--public-prefix" not in specs[1].cmd  # type: ignore[operator]
     md = markdown([s | {"server": "brine-tenants-public-prefix"}, s | {"server": "brine-tenants"}], "# t")
     assert "With `--public-prefix` / without: tenants 2.. first TTFT 1x" in md
+
+
+def test_noisy_neighbour_runs_the_quiet_requests_alone_then_beside_the_noisy_tenant(fake) -> None:  # noqa: ANN001
+    url, _ = fake
+    sizes = {"quiet_tenants": 2, "doc_tokens": 40, "questions": 2, "fan_prompts": 3, "max_tokens": 4}
+    workload = build("noisy-neighbour", seed=3, **sizes)
+    assert workload.noise is not None and len(workload.noise["prompt"]) * workload.noise["n"] == 6
+    assert {r.prompt for r in workload.baseline}.isdisjoint(r.prompt for r in workload.requests)
+    result = asyncio.run(run_workload(url, workload, server="fake", progress=False))
+    tags = [r.tag for r in result.requests]
+    assert tags == ["alone"] * 4 + ["noisy"] * 4 and all(r.ok for r in result.requests)
+    assert result.noise_sent >= 1  # the fake server cannot serve list prompts: sent, not ok
+    s = summarize(result)
+    assert set(s["ttft_p50_by_tag"]) == {"alone", "noisy"} and s["noise_sent"] == result.noise_sent

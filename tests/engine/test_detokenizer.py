@@ -56,10 +56,39 @@ def test_stop_string_is_cut_and_a_partial_match_is_never_shown():
 
 
 def test_a_partial_match_that_fails_is_released_in_order():
-    deltas, _, hit = stream_text("ab STx cd", stop=["STOP"])
-    assert hit is None and "".join(deltas) == "ab STx cd"
-    # "S" and "ST" were held back until "x" resolved them, then released together.
-    assert deltas[3:6] == ["", "", "STx"]
+    deltas, stream, hit = stream_text("ab STx cd", stop=["STOP"])
+    assert hit is None and "".join(deltas) + stream.take_delta(finished=True) == "ab STx cd"
+    # The last len("STOP") - 1 characters are always held: "S" and "ST" are only shown once "x" resolved them.
+    assert deltas == ["", "", "", "a", "b", " ", "S", "T", "x"]
+
+
+def test_the_holdback_is_the_longest_stop_minus_one_and_none_when_the_stop_is_output():
+    deltas, stream, _ = stream_text("0123456789", stop=["ab", "wxyz"])
+    assert "".join(deltas) == "0123456" and stream.take_delta(finished=True) == "789"
+    deltas, _, _ = stream_text("0123456789", stop=["wxyz"], include_stop_str_in_output=True)
+    assert deltas == list("0123456789")
+
+
+def test_stop_matching_cost_does_not_grow_with_the_text_or_the_number_of_prefixes(monkeypatch):
+    """Each token searches only its new text plus the longest stop's reach: no pass over every prefix of every
+    stop (the old holdback tested up to len(stop) - 1 prefixes per stop per token)."""
+    stop = "x" * 1000 + "!"
+    tok = ByteTokenizer()
+    stream = TextStream(tok.decode, [], SamplingParams(stop=[stop, "y" * 1000 + "?"]))
+    calls = []
+    real_endswith = str.endswith
+
+    class Spy(str):
+        def endswith(self, *a):  # pragma: no cover - only called by the old per-prefix holdback
+            calls.append(a)
+            return real_endswith(self, *a)
+
+    for i in tok.encode("x" * 3000):
+        stream.add_token(i)
+        stream.text = Spy(stream.text)
+        stream.take_delta(finished=False)
+    assert calls == [] and stream.stopped_by is None
+    assert stream.take_delta(finished=True) == "x" * 1000
 
 
 def test_earliest_stop_wins_and_include_stop_str_in_output():

@@ -80,12 +80,14 @@ def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings():
 
 
 def test_a_stop_string_spanning_tokens_is_held_back_then_released_when_it_does_not_complete():
-    # "ab" then "ST" (held: it may become "STOP"), then the limit: the held text is released at the end.
-    core = make_core(FakeRunner(next_token=script(b"abST")))
-    core.add_request("r", prompt(3), greedy(4, stop=["STOP"]))
+    # The last len("STOP") - 1 characters are held (they may become "STOP"); at the limit everything is
+    # released, "ST" included.
+    core = make_core(FakeRunner(next_token=script(b"abSTxy")))
+    core.add_request("r", prompt(3), greedy(6, stop=["STOP"]))
     outputs = run_to_completion(core)
     deltas = [c.text for o in outputs for c in o.outputs]
-    assert deltas == ["a", "b", "", "ST"] and outputs[-1].outputs[0].finish_reason is FinishReason.LENGTH
+    assert deltas == ["", "", "", "a", "b", "STxy"]
+    assert outputs[-1].outputs[0].finish_reason is FinishReason.LENGTH
 
 
 class FailingDecode(ByteTokenizer):

@@ -39,6 +39,7 @@ class GenerateCall:
     params: SamplingParams
     request_id: str
     namespace: CacheNamespace | None
+    owner: str | None = None
 
     @property
     def cache_salt(self) -> str | None:
@@ -97,6 +98,7 @@ class FakeEngine:
         *,
         request_id: str | None = None,
         namespace: CacheNamespace | None = None,
+        owner: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise EngineDeadError("fake engine is dead")
@@ -111,7 +113,7 @@ class FakeEngine:
         if -(-len(prompt) // self.block_size) > self.num_blocks:
             raise ValueError("the prompt can never fit the KV cache")
         rid = request_id or uuid.uuid4().hex
-        self.calls.append(GenerateCall(prompt, params, rid, namespace))
+        self.calls.append(GenerateCall(prompt, params, rid, namespace, owner))
         cached = self._lookup(prompt, namespace, params)
         self.running.add(rid)
         self._held[rid] = self._blocks(len(prompt)) * params.n

@@ -105,8 +105,9 @@ def test_serve_wires_engine_metrics_and_app(
         seen["config"] = config
         return fake
 
-    def run(app: Any, host: str, port: int, log_level: str) -> None:
+    def run(app: Any, host: str, port: int, log_level: str, log_config: dict) -> None:
         seen["uvicorn"] = (host, port, log_level)
+        seen["access_filters"] = log_config["handlers"]["access"]["filters"]
         client = TestClient(app)
         seen["unauthorized"] = client.get("/v1/models").status_code
         seen["metrics"] = client.get("/metrics", headers={"Authorization": "Bearer k"}).text
@@ -121,6 +122,7 @@ def test_serve_wires_engine_metrics_and_app(
     assert config.served_model_name == "resolved-name"
     assert any(isinstance(s, PrometheusStatLogger) for s in config.stat_loggers)
     assert seen["uvicorn"] == ("127.0.0.1", 9, "warning")
+    assert seen["access_filters"] == ["drop_query_string"]  # the access log drops query strings
     assert seen["unauthorized"] == 401 and "brine_kv_cache_usage_perc" in seen["metrics"]
     assert not fake.healthy  # shut down when uvicorn returned
 
@@ -167,7 +169,7 @@ def test_serve_with_tenants_and_public_prefixes(
     monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config: fake))
     seen: dict[str, Any] = {}
 
-    def run(app: Any, host: str, port: int, log_level: str) -> None:
+    def run(app: Any, host: str, port: int, log_level: str, log_config: dict) -> None:
         client = TestClient(app)
         seen["tenant_metrics"] = client.get("/metrics", headers={"Authorization": "Bearer tk"}).status_code
         seen["tenant_models"] = client.get("/v1/models", headers={"Authorization": "Bearer tk"}).status_code
