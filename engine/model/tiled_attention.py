@@ -33,7 +33,7 @@ from engine.model.invariance import row_multiple
 from engine.model.transfer import index_tensor, to_device
 
 KV_TILE = 64  # key positions per tile; part of the numerics (changing it changes results, not invariance)
-QUERY_SLICE = 64  # query tokens per product of a long chunk: keeps the scores in cache; results unchanged
+QUERY_SLICE = 64  # query tokens per item of a long chunk: keeps each item's scores small; results unchanged
 
 
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -111,30 +111,26 @@ class TiledBackend:
         self.row_multiple = attention_row_multiple(head_dim) if head_dim else 16
 
     def plan(self, meta: AttentionMetadata) -> TiledPlan:
-        units: list[_Unit] = []
-        decodes: dict[int, list[int]] = {}  # power of two of the tile count -> request indices
+        # Items: a decode, or a slice of up to QUERY_SLICE queries of one request. Items with as many queries
+        # and a tile count in the same power of two run as one product (few ops per layer, padding < 2x).
+        groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # -> (request, start, q0, keys)
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-            if n == 1:
-                tiles = -(-ctx // KV_TILE)
-                decodes.setdefault(1 << (tiles - 1).bit_length(), []).append(i)
-                continue
             first, start = ctx - n, meta.query_starts[i]
             for a in range(0, n, QUERY_SLICE):
                 b = min(n, a + QUERY_SLICE)
-                last_key = first + b if meta.is_causal else ctx  # keys the slice may see: [0, last_key)
-                units.append(
-                    self._unit(meta, [i], list(range(start + a, start + b)), [first + a], b - a, last_key)
+                keys = first + b if meta.is_causal else ctx  # keys the slice may see: [0, keys)
+                tiles = -(-keys // KV_TILE)
+                groups.setdefault((b - a, 1 << (tiles - 1).bit_length()), []).append(
+                    (i, start + a, first + a, keys)
                 )
-        for _, rows in sorted(decodes.items()):
-            longest = max(meta.context_lens[i] for i in rows)
-            idx = [meta.query_starts[i] for i in rows]
-            units.append(self._unit(meta, rows, idx, [meta.context_lens[i] - 1 for i in rows], 1, longest))
+        units = [self._unit(meta, items, n) for (n, _), items in sorted(groups.items())]
         return TiledPlan(units, meta.is_causal)
 
-    def _unit(
-        self, meta: AttentionMetadata, reqs: list[int], token_idx: list[int], q0: list[int], n: int, keys: int
-    ) -> _Unit:
-        tiles = -(-keys // KV_TILE)
+    def _unit(self, meta: AttentionMetadata, items: list[tuple[int, int, int, int]], n: int) -> _Unit:
+        reqs = [i for i, _, _, _ in items]
+        token_idx = [t for _, start, _, _ in items for t in range(start, start + n)]
+        q0 = [q for _, _, q, _ in items]
+        tiles = -(-max(k for *_, k in items) // KV_TILE)
         bs = meta.block_size
         nb = -(-(tiles * KV_TILE) // bs)
         table = [(meta.block_tables[i][:nb] + [0] * nb)[:nb] for i in reqs]
