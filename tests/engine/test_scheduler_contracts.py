@@ -69,9 +69,11 @@ def test_the_last_token_of_the_budget_is_used_and_none_past_it() -> None:
     # a takes 2, b is admitted with the 1 token left (a chunk), and nothing gets a 0-token entry.
     assert [(s.request_id, len(s.new_token_ids)) for s in out.scheduled] == [("a", 2), ("b", 1)]
     add(sched, "c", 2)
-    out, _ = step(sched)  # a decodes 1, b takes the remaining 2: the budget is spent, c must wait
-    assert [(s.request_id, len(s.new_token_ids)) for s in out.scheduled] == [("a", 1), ("b", 2)]
-    assert [r.request_id for r in sched.waiting] == ["c"]
+    # Three owners share the 3-token budget (fair scheduling): a decodes 1, b's chunk and c's first chunk get
+    # 1 each. The budget is spent to its last token, and no one gets a 0-token entry.
+    out, _ = step(sched)
+    assert [(s.request_id, len(s.new_token_ids)) for s in out.scheduled] == [("a", 1), ("b", 1), ("c", 1)]
+    assert out.num_batched_tokens == 3 and not sched.waiting
 
 
 def test_two_decodes_fill_a_budget_of_two() -> None:
