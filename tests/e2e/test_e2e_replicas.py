@@ -62,8 +62,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for i in range(2):
             port = _free_pair()
             events.append(port)
-                # 192 blocks: one replica holds all 3 documents (162 blocks), so the ceiling is the full one.
-        args = ("--num-kv-blocks", "192", "--kv-events-endpoint", f"tcp://127.0.0.1:{port}")
+            # 192 blocks: one replica holds all 3 documents (162 blocks), so the ceiling is the full one.
+            args = ("--num-kv-blocks", "192", "--kv-events-endpoint", f"tcp://127.0.0.1:{port}")
             replicas.append(stack.enter_context(running_server(tmp / f"replica{i}.log", args)))
         router_port = free_port()
         cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(router_port), "--policy", "kv_aware"]
