@@ -8,9 +8,11 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import zmq
+from engine_fakes import FakeRunner, make_core, run_to_completion
 
 from engine.kv_event_publisher import KVEventPublisher, replay_endpoint_for
 from engine.kv_event_wire import END_SEQ
+from engine.sampling_params import SamplingParams
 from kv_cache.stats import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.e2e.e2e_server import free_port
 
@@ -115,3 +117,23 @@ def test_replay_endpoint_is_port_plus_one(endpoint: str, replay: str) -> None:
 def test_bad_endpoint_is_refused(bad: str) -> None:
     with pytest.raises(ValueError):
         replay_endpoint_for(bad)
+
+
+def test_engine_core_hands_each_steps_events_to_the_sink() -> None:
+    """The core feeds the sink once per step that changed the cache, then a reset's AllBlocksCleared."""
+    batches: list[list] = []
+    core = make_core(FakeRunner(num_blocks=32), kv_event_sink=batches.append)
+    prompt = list(range(1, 40))  # 39 tokens: 9 full blocks of 4
+    core.add_request("a", prompt, SamplingParams(max_tokens=1))
+    run_to_completion(core)
+    stored = [e for batch in batches for e in batch if isinstance(e, BlockStored)]
+    assert stored[0].parent_block_hash is None and stored[0].block_size == 4
+    assert [t for e in stored for t in e.token_ids][:36] == prompt[:36]
+    assert all(batch for batch in batches)  # no empty batch is handed over
+    assert core.reset_prefix_cache()
+    assert isinstance(batches[-1][-1], AllBlocksCleared)
+
+
+def test_engine_core_without_sink_records_no_events() -> None:
+    core = make_core()
+    assert core.kv_event_sink is None and core.kv.take_events() == []
