@@ -23,6 +23,7 @@ import datetime
 import json
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -48,8 +49,27 @@ class Replica:
     proc: subprocess.Popen
 
 
-def _brine(name: str, key: str, log_dir: Path) -> Replica:
-    port, events = free_port(), free_port()
+def _free_pair() -> int:
+    """A free port whose successor is free too: the KV event socket and its replay socket (PORT + 1)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _brine(name: str, key: str, log_dir: Path, taken: set[int]) -> Replica:
+    events = _free_pair()
+    while events in taken or events + 1 in taken:
+        events = _free_pair()
+    port = free_port()
+    while port in taken or port in (events, events + 1):
+        port = free_port()
+    taken.update((port, events, events + 1))
     exe = ROOT / ".venv" / "bin" / "brine"
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "server.cli"]
     cmd = [*base, "serve", "--host", "127.0.0.1", "--port", str(port), "--api-key", key,
@@ -138,7 +158,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     key = secrets.token_urlsafe(16)
     log_dir = RESULTS / "logs-replicas"
     log_dir.mkdir(parents=True, exist_ok=True)
-    reps = [_brine(f"replica{i}", key, log_dir) for i in range(2)]
+    taken: set[int] = set()
+    reps = [_brine(f"replica{i}", key, log_dir, taken) for i in range(2)]
     rows: list[dict] = []
     try:
         for r in reps:
