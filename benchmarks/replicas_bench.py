@@ -3,7 +3,8 @@
 Two `brine serve` replicas start once (KV events on, an operator key); each configuration runs the workload
 (`benchmarks.workloads.replicas`: documents spread over waves, all in flight) after both caches are reset:
 one replica direct (the ceiling), then the router with round_robin, cache_aware, kv_aware (fed by Brine's
-KV events) and consistent_hash (routing on the requests' X-Session-ID). Reported per configuration: hit ratio
+KV events) and consistent_hash (routing on the requests' X-Session-ID); then one replica, kv_aware and
+consistent_hash again with a cache_salt per document (a tenant's traffic). Reported per configuration: hit ratio
 (cached / prompt tokens from `usage`), req/s, TTFT p50/p90 and how many requests each replica served.
 
     .venv/bin/python -m benchmarks.replicas_bench          # part of `make bench`; skips without vllm-router
@@ -40,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK_SIZE = 16
 POLICIES = ("round_robin", "cache_aware", "kv_aware", "consistent_hash")
+# (name, router policy or None for one replica direct, salted requests)
+CONFIGS = [("one replica", None, False), *((p, p, False) for p in POLICIES), ("one replica, salted", None, True),
+           ("kv_aware, salted", "kv_aware", True), ("consistent_hash, salted", "consistent_hash", True)]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -125,15 +129,17 @@ def summarize(name: str, r: WorkloadResult, served: list[float]) -> dict:
 
 
 def markdown(rows: list[dict], params: dict) -> str:
-    ceiling = rows[0]["hit_ratio"] or 0.0
+    ceilings = {False: rows[0]["hit_ratio"] or 0.0}
+    ceilings[True] = next((r["hit_ratio"] for r in rows if r["config"] == "one replica, salted"), None) or 0.0
     lines = [
         f"# replicas: {params['docs']} documents of ~{params['doc_tokens']} tokens, {params['questions']} questions "
-        "each, all documents in flight (vllm-router, 2 Brine replicas)",
+        "each, all documents in flight (vllm-router, 2 Brine replicas; salted: a cache_salt per document)",
         "",
         "| configuration | hit ratio | of ceiling | req/s | TTFT p50 | TTFT p90 | requests per replica |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        ceiling = ceilings["salted" in row["config"]]
         share = row["hit_ratio"] / ceiling if ceiling and row["hit_ratio"] is not None else None
         lines.append(
             f"| {row['config']} | {fmt(row['hit_ratio'])} | {fmt(share, digits=2)} | {fmt(row['req_per_s'], digits=2)} "
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> Path | None:
             f"{reps[0].spec.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}
         ).json()
         model = model["data"][0]["id"]
-        for i, config in enumerate(("one replica", *POLICIES)):
+        for i, (config, policy, salted) in enumerate(CONFIGS):
             for r in reps:
                 httpx.post(
                     f"{r.spec.base_url}/reset_prefix_cache",
@@ -176,13 +182,14 @@ def main(argv: list[str] | None = None) -> Path | None:
                     timeout=60,
                 )
             router = None
-            if config == "one replica":
+            if policy is None:
                 target = reps[0].spec
             else:
-                target, router = _router(config, reps, model, key, log_dir / f"router-{config}.log")
-                wait_ready(target, router, log_dir / f"router-{config}.log", 120)
+                log = log_dir / f"router-{policy}.log"
+                target, router = _router(policy, reps, model, key, log)
+                wait_ready(target, router, log, 120)
             before = [_successes(r) for r in reps]
-            workload = replicas(args.seed + i, args.docs, args.doc_tokens, args.questions)
+            workload = replicas(args.seed + i, args.docs, args.doc_tokens, args.questions, salted=salted)
             result = asyncio.run(
                 run_workload(target.base_url, workload, model=model, server=config, api_key=key)
             )
