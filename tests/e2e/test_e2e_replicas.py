@@ -2,6 +2,10 @@
 
 Slow tier: two model loads plus the router (installed from PyPI by the test extras). API keys are on at both
 hops: the router's own calls (render, KV discovery) authenticate with its `--api-key`, an operator key.
+
+The hit-ratio workload is unsalted: vllm-router 0.1.17's kv_aware gives a request with a cache_salt no prefix
+credit at all (its log: `outcome="cache_salt"`), whatever the events say, so salted traffic would measure the
+router's choice, not Brine's events (benchmarks/replicas_bench.py measures both).
 """
 
 from __future__ import annotations
