@@ -151,7 +151,7 @@ def markdown(rows: list[dict], params: dict) -> str:
 def main(argv: list[str] | None = None) -> Path | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--docs", type=int, default=3)
     ap.add_argument("--doc-tokens", type=int, default=800)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)

@@ -95,7 +95,7 @@ def doc_qa(seed: int, doc_tokens: int = 2000, questions: int = 6, max_tokens: in
 
 def replicas(
     seed: int,
-    docs: int = 4,
+    docs: int = 3,
     doc_tokens: int = 800,
     questions: int = 4,
     max_tokens: int = 8,
@@ -104,7 +104,8 @@ def replicas(
     """D documents, Q questions each, in Q waves of one question per document, all D in flight at once:
     what a router spreading documents over replicas sees. Each request carries `X-Session-ID: doc-<d>`, the
     key vllm-router's consistent_hash policy routes by (other policies ignore it). `salted`: each document's
-    requests carry their own cache_salt, as a tenant's would."""
+    requests carry their own cache_salt, as a tenant's would. An odd D by default: with an even one, round
+    robin over two replicas would send each document to the same replica every wave, by accident."""
     rng = random.Random(seed)
     texts = [document(rng, doc_tokens, f"replicas {seed} doc {d}") for d in range(docs)]
     reqs = [
