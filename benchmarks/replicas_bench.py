@@ -26,6 +26,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import tempfile
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> Path | None:
         print("replicas benchmark skipped: vllm-router is not installed (pip install vllm-router)")
         return None
     key = secrets.token_urlsafe(16)
-    log_dir = RESULTS / "logs-replicas"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="brine-replicas-"))  # servers' and routers' logs, kept for a look
+    print(f"logs: {log_dir}")
     taken: set[int] = set()
     reps = [_brine(f"replica{i}", key, log_dir, taken) for i in range(2)]
     rows: list[dict] = []
