@@ -26,8 +26,8 @@ import secrets
 import shutil
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
