@@ -23,12 +23,14 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from server.engine_client import EngineClient, vocab_size
+from server.limits import check_limits
 from server.openapi import BODY_ERRORS
 from server.params import check_chat_features, check_completion_features, check_model, sampling_params
 from server.prompts import completion_prompts, render_chat
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import new_id
 from server.tenancy import request_namespace
+from server.text_check import check_text
 
 
 def _generate_request(
@@ -75,7 +77,9 @@ def install_router_routes(app: FastAPI, engine: EngineClient) -> None:
 
     @app.post("/v1/completions/render", operation_id="renderCompletion", responses=BODY_ERRORS)
     async def render_completion(req: CompletionRequest, request: Request) -> list[dict[str, Any]]:
-        request_namespace(request, req.cache_salt)  # the same 400s as the generating route
+        check_text(req)  # the same checks, in the same order, as the generating route
+        check_limits(req, request.app.state.limits)
+        request_namespace(request, req.cache_salt)
         check_model(req.model, engine.model_name)
         check_completion_features(req)
         vocab = vocab_size(engine.tokenizer)
@@ -94,6 +98,8 @@ def install_router_routes(app: FastAPI, engine: EngineClient) -> None:
 
     @app.post("/v1/chat/completions/render", operation_id="renderChatCompletion", responses=BODY_ERRORS)
     async def render_chat_completion(req: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+        check_text(req)
+        check_limits(req, request.app.state.limits)
         request_namespace(request, req.cache_salt)
         check_model(req.model, engine.model_name)
         check_chat_features(req)

@@ -75,6 +75,8 @@ def test_render_refuses_what_the_route_refuses(client: TestClient) -> None:
     assert r.status_code == 404
     r = client.post("/v1/completions/render", json=completion_body("hi", max_tokens=10**9))
     assert r.status_code == 400
+    r = client.post("/v1/completions/render", json=completion_body("hi", stop=[str(i) for i in range(5)]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"  # --max-stop-strings (default 4)
 
 
 def test_router_routes_need_a_key_and_are_operator_only(engine: FakeEngine) -> None:
