@@ -52,6 +52,7 @@ $(LLAMACPP_VENV)/bin/python:
 bench: $(STAMP)
 	$(MAKE) $(LLAMACPP_VENV)/bin/python
 	$(BIN)/python -m benchmarks.compare
+	$(BIN)/python -m benchmarks.replicas_bench
 
 gpu-check: $(STAMP)
 	bash benchmarks/gpu_check.sh

@@ -138,8 +138,8 @@ async def send(
     chunks = 0
     finish_reason: str | None = None
     try:
-        headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else None
-        async with client.stream("POST", url, json=body, headers=headers) as r:
+        headers = {**req.headers, **({"Authorization": f"Bearer {req.api_key}"} if req.api_key else {})}
+        async with client.stream("POST", url, json=body, headers=headers or None) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return res

@@ -42,6 +42,7 @@ class BenchRequest:
     api_key: str | None = None  # sent as this request's bearer token (a tenant's key) when set
     system: str | None = None  # a system message before the prompt (chat API only)
     wave: int = 0  # waves run one after the other, each with its own concurrency (Workload.wave_concurrency)
+    headers: dict[str, str] = field(default_factory=dict)  # extra HTTP headers (a router's X-Session-ID)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,37 @@ def doc_qa(seed: int, doc_tokens: int = 2000, questions: int = 6, max_tokens: in
         for i in range(questions)
     ]
     return Workload("doc-qa", reqs, 1, {"doc_tokens": doc_tokens, "questions": questions})
+
+
+def replicas(
+    seed: int,
+    docs: int = 3,
+    doc_tokens: int = 800,
+    questions: int = 4,
+    max_tokens: int = 8,
+    salted: bool = False,
+) -> Workload:
+    """D documents, Q questions each, in Q waves of one question per document, all D in flight at once:
+    what a router spreading documents over replicas sees. Each request carries `X-Session-ID: doc-<d>`, the
+    key vllm-router's consistent_hash policy routes by (other policies ignore it). `salted`: each document's
+    requests carry their own cache_salt, as a tenant's would. An odd D by default: with an even one, round
+    robin over two replicas would send each document to the same replica every wave, by accident."""
+    rng = random.Random(seed)
+    texts = [document(rng, doc_tokens, f"replicas {seed} doc {d}") for d in range(docs)]
+    reqs = [
+        BenchRequest(
+            ask(texts[d], question(q)),
+            "cold" if q == 0 else "warm",
+            f"doc-{d}",
+            None,
+            max_tokens,
+            wave=q,
+            headers={"X-Session-ID": f"doc-{seed}-{d}"},
+        )  # fmt: skip
+        for q in range(questions)
+        for d in range(docs)
+    ]
+    return Workload("replicas", reqs, docs, {"docs": docs, "doc_tokens": doc_tokens, "questions": questions})
 
 
 def tenants(

@@ -47,6 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's
     batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
+    kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
     stat_loggers: list = field(default_factory=list)  # objects with record(SchedulerStats, IterationStats)
 
 
@@ -64,8 +65,12 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, tokenizer: Any, *, model_name: str) -> None:
+    def __init__(
+        self, core: EngineCore, tokenizer: Any, *, model_name: str, kv_events: Any | None = None
+    ) -> None:
+        """kv_events: the `KVEventPublisher` fed by `core` (its sink), closed by `shutdown`; None if off."""
         self._core = core
+        self.kv_events = kv_events
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = core.max_model_len
@@ -88,6 +93,12 @@ class AsyncEngine:
         from engine.model_runner import ModelRunner  # torch: imported only when a real engine is made
 
         files = resolve_model(config.model)
+        kv_events = None
+        if config.kv_events_endpoint is not None:
+            from engine.kv_event_publisher import KVEventPublisher, replay_endpoint_for
+
+            endpoint = config.kv_events_endpoint
+            kv_events = KVEventPublisher(endpoint, replay_endpoint_for(endpoint))
         runner = ModelRunner(
             files.path,
             device=config.device,
@@ -112,6 +123,7 @@ class AsyncEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algo=config.prefix_caching_hash_algo,
             stat_loggers=config.stat_loggers,
+            kv_event_sink=kv_events.publish if kv_events is not None else None,
         )
         logger.info(
             "engine ready: model %s (%s), %d KV blocks of %d tokens, prefix caching %s",
@@ -121,7 +133,9 @@ class AsyncEngine:
             runner.block_size,
             "on" if core.enable_prefix_caching else "off",
         )
-        return cls(core, core.tokenizer, model_name=config.served_model_name or files.name)
+        return cls(
+            core, core.tokenizer, model_name=config.served_model_name or files.name, kv_events=kv_events
+        )
 
     # ---- requests --------------------------------------------------------------------------------------
 
@@ -191,11 +205,18 @@ class AsyncEngine:
         with self._core_lock:
             return self._core.kv.num_blocks - self._core.kv.num_free_blocks
 
+    def kv_event_sources(self) -> dict[str, dict[str, Any]]:
+        """`GET /kv_event_sources`: one entry per data-parallel rank, keyed by the rank as a string ({} when
+        events are off)."""
+        return {"0": self.kv_events.source()} if self.kv_events is not None else {}
+
     def shutdown(self) -> None:
         if self._thread.is_alive():
             self._inbox.put((_STOP,))
             self._thread.join(timeout=30)
         self._fail_all("the engine was shut down")
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     # ---- the step thread -------------------------------------------------------------------------------
 

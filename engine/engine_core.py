@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from engine.output_processor import OutputProcessor, error_output
@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner
+from kv_cache.stats import KVCacheEvent
 from metrics.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,10 @@ class EngineCore:
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
         stat_loggers: Sequence[Any] = (),
+        kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
     ) -> None:
+        """kv_event_sink: receives the KV cache events of each step (and of a reset) as one batch, on the
+        step's thread (`engine.kv_event_publisher.KVEventPublisher.publish`); None records no events."""
         if enable_prefix_caching and not runner.is_causal:
             logger.info(
                 "prefix caching disabled: the model is not causal, so a prefix's K/V depends on what follows"
@@ -67,8 +71,13 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv = KVCacheManager(
-            runner.num_blocks, runner.block_size, enable_caching=enable_prefix_caching, hash_algo=hash_algo
+            runner.num_blocks,
+            runner.block_size,
+            enable_caching=enable_prefix_caching,
+            hash_algo=hash_algo,
+            enable_events=kv_event_sink is not None,
         )
+        self.kv_event_sink = kv_event_sink
         self.max_model_len = max_model_len or runner.max_model_len
         self.scheduler = Scheduler(
             self.kv,
@@ -142,6 +151,7 @@ class EngineCore:
         `/metrics` would show the old cache until the next request."""
         if not self.kv.reset_prefix_cache():
             return False
+        self._publish_events()
         self._record_stats(IterationStats(), prefix_cache_reset=True)
         return True
 
@@ -149,6 +159,7 @@ class EngineCore:
         """Forgets `owner`'s cached private blocks (a tenant's reset, allowed while requests run); returns
         how many. Recorded to the stat loggers at once, like a reset (the cached-blocks gauge moves)."""
         n = self.kv.forget(owner)
+        self._publish_events()
         self._record_stats(IterationStats())
         return n
 
@@ -175,8 +186,19 @@ class EngineCore:
                 0, min(sr.num_prompt_tokens - sr.num_computed_tokens, len(sr.new_token_ids))
             )
         outputs = self.outputs.process(updates, iteration)
+        self._publish_events()
         self._record_stats(iteration)
         return outputs
+
+    def _publish_events(self) -> None:
+        if self.kv_event_sink is None:
+            return
+        events = self.kv.take_events()
+        if events:
+            try:
+                self.kv_event_sink(events)
+            except Exception:  # a broken event stream must not take the engine down
+                logger.exception("KV event sink failed")
 
     # ---- stats -----------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from server.params import check_chat_template, check_model
 from server.prompts import encode, render_chat
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import now
+from server.router_routes import install_router_routes
 from server.serving_chat import create_chat_completion
 from server.serving_completion import create_completion
 from server.tenancy import TenancyConfig, request_owner
@@ -223,4 +224,5 @@ def create_app(
             )
         return {"reset": True}
 
+    install_router_routes(app, engine)
     return app

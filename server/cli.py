@@ -94,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="exact number of KV blocks; overrides --kv-cache-memory",
     )
     s.add_argument(
+        "--kv-events-endpoint",
+        type=_kv_events_endpoint,
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish KV cache events there in vLLM's format (ZMQ PUB + msgpack; replay socket on PORT+1) for a "
+        "KV-aware router (vllm-router --policy kv_aware); served at GET /kv_event_sources. The events carry "
+        "prompt token ids: bind an internal interface only. Default: off",
+    )
+    s.add_argument(
         "--max-num-seqs",
         type=_positive,
         default=64,
@@ -240,6 +249,16 @@ def tenant_key(tenant: str) -> int:
     return 0
 
 
+def _kv_events_endpoint(value: str) -> str:
+    from engine.kv_event_publisher import replay_endpoint_for
+
+    try:
+        replay_endpoint_for(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def api_keys(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:
     keys = [k for k in args.api_key if k]
     if environ.get("BRINE_API_KEY"):
@@ -264,6 +283,7 @@ def engine_config(args: argparse.Namespace, stat_loggers: list[Any]) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         batch_invariant=args.batch_invariant,
+        kv_events_endpoint=args.kv_events_endpoint,
         stat_loggers=stat_loggers,
     )
 

@@ -36,6 +36,8 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     enable_prefix_caching: bool
+    block_size: int
+    num_blocks: int  # KV capacity
 
     def generate(
         self,
@@ -56,6 +58,8 @@ class EngineClient(Protocol):
     def forget_prefix_cache(self, owner: Owner) -> int: ...
 
     def num_used_blocks(self) -> int: ...
+
+    def kv_event_sources(self) -> dict[str, dict[str, Any]]: ...
 
     def shutdown(self) -> None: ...
 

@@ -51,3 +51,18 @@ def test_unique_prompts_share_no_prefix_beyond_the_first_word() -> None:
     wl = build("unique", seed=5, num_requests=6, prompt_tokens=40)
     firsts = {r.prompt.split()[1] for r in wl.requests}  # "Document <random id> ..."
     assert len(firsts) == 6
+
+
+def test_replicas_waves_put_every_document_in_flight_with_its_session_id() -> None:
+    from benchmarks.workloads import replicas  # noqa: PLC0415
+
+    wl = replicas(seed=3, docs=3, doc_tokens=40, questions=2)
+    assert [r.wave for r in wl.requests] == [0, 0, 0, 1, 1, 1]
+    assert wl.concurrency == 3  # a wave's documents are all in flight at once
+    assert [r.tag for r in wl.requests] == ["cold"] * 3 + ["warm"] * 3
+    # One session id per document, the same for its questions (consistent_hash pins a document to a replica).
+    sessions = [r.headers["X-Session-ID"] for r in wl.requests]
+    assert sessions[:3] == sessions[3:] and len(set(sessions)) == 3
+    assert all(
+        r.prompt.startswith(wl.requests[i % 3].prompt.split("\n\n")[0]) for i, r in enumerate(wl.requests)
+    )

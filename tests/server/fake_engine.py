@@ -178,6 +178,9 @@ class FakeEngine:
     def num_used_blocks(self) -> int:
         return sum(self._held.values())
 
+    def kv_event_sources(self) -> dict[str, dict[str, Any]]:
+        return {}
+
     def shutdown(self) -> None:
         self.healthy = False
 
