@@ -20,17 +20,13 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from starlette.concurrency import run_in_threadpool
 
-from server.engine_client import EngineClient, vocab_size
-from server.limits import check_limits
+from server.engine_client import EngineClient
 from server.openapi import BODY_ERRORS
-from server.params import check_chat_features, check_completion_features, check_model, sampling_params
-from server.prompts import completion_prompts, render_chat
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import new_id
-from server.tenancy import request_namespace
-from server.text_check import check_text
+from server.serving_chat import prepare_chat
+from server.serving_completion import prepare_completion
 
 
 def _generate_request(
@@ -77,19 +73,7 @@ def install_router_routes(app: FastAPI, engine: EngineClient) -> None:
 
     @app.post("/v1/completions/render", operation_id="renderCompletion", responses=BODY_ERRORS)
     async def render_completion(req: CompletionRequest, request: Request) -> list[dict[str, Any]]:
-        check_text(req)  # the same checks, in the same order, as the generating route
-        check_limits(req, request.app.state.limits)
-        request_namespace(request, req.cache_salt)
-        check_model(req.model, engine.model_name)
-        check_completion_features(req)
-        vocab = vocab_size(engine.tokenizer)
-        prompts = await run_in_threadpool(completion_prompts, engine.tokenizer, req.prompt, vocab)
-        params = sampling_params(
-            req,
-            num_prompt_tokens=max(len(p) for p in prompts),
-            max_model_len=engine.max_model_len,
-            vocab_size=vocab,
-        )
+        _, prompts, params = await prepare_completion(engine, req, request)  # the generating route's checks
         request_id = new_id("cmpl")
         return [
             _generate_request(engine, f"{request_id}-{i}", p, params, req.stream)
@@ -98,23 +82,5 @@ def install_router_routes(app: FastAPI, engine: EngineClient) -> None:
 
     @app.post("/v1/chat/completions/render", operation_id="renderChatCompletion", responses=BODY_ERRORS)
     async def render_chat_completion(req: ChatCompletionRequest, request: Request) -> dict[str, Any]:
-        check_text(req)
-        check_limits(req, request.app.state.limits)
-        request_namespace(request, req.cache_salt)
-        check_model(req.model, engine.model_name)
-        check_chat_features(req)
-        prompt = await run_in_threadpool(
-            render_chat,
-            engine.tokenizer,
-            req.messages,
-            add_generation_prompt=bool(req.add_generation_prompt),
-            continue_final_message=bool(req.continue_final_message),
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
-        params = sampling_params(
-            req,
-            num_prompt_tokens=len(prompt),
-            max_model_len=engine.max_model_len,
-            vocab_size=vocab_size(engine.tokenizer),
-        )
+        _, prompt, params = await prepare_chat(engine, req, request)  # the generating route's checks
         return _generate_request(engine, new_id("chatcmpl"), prompt, params, req.stream)

@@ -15,6 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
@@ -56,14 +58,14 @@ class _Ctx:
         }
 
 
-async def create_chat_completion(
+async def prepare_chat(
     engine: EngineClient, req: ChatCompletionRequest, request: Request
-) -> Response:
-    """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
-    salt = req.cache_salt
+) -> tuple[CacheNamespace | None, list[int], SamplingParams]:
+    """Every check of a chat request, in order, then its prompt and params: shared by the generating route
+    and its `/render` twin, so a request one refuses the other refuses alike."""
     check_text(req)  # first: a field that is not valid Unicode cannot even be named back in an error
     check_limits(req, request.app.state.limits)  # before anything is tokenized
-    namespace = request_namespace(request, salt)
+    namespace = request_namespace(request, req.cache_salt)
     check_model(req.model, engine.model_name)
     check_chat_features(req)
     # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
@@ -81,6 +83,14 @@ async def create_chat_completion(
         max_model_len=engine.max_model_len,
         vocab_size=vocab_size(engine.tokenizer),
     )
+    return namespace, prompt, params
+
+
+async def create_chat_completion(
+    engine: EngineClient, req: ChatCompletionRequest, request: Request
+) -> Response:
+    """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
+    namespace, prompt, params = await prepare_chat(engine, req, request)
     ctx = _Ctx(
         id=new_id("chatcmpl"),
         created=now(),

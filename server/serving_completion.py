@@ -14,6 +14,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from engine.sampling_params import SamplingParams
+from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient, vocab_size
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
@@ -120,12 +122,14 @@ def _final_reason(reason: FinishReason | None) -> str:
     return finish_reason(reason) or "stop"
 
 
-async def create_completion(engine: EngineClient, req: CompletionRequest, request: Request) -> Response:
-    """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
-    salt = req.cache_salt
+async def prepare_completion(
+    engine: EngineClient, req: CompletionRequest, request: Request
+) -> tuple[CacheNamespace | None, list[list[int]], SamplingParams]:
+    """Every check of a completion request, in order, then its prompts and params: shared by the generating
+    route and its `/render` twin, so a request one refuses the other refuses alike."""
     check_text(req)  # first: a field that is not valid Unicode cannot even be named back in an error
     check_limits(req, request.app.state.limits)  # before anything is tokenized
-    namespace = request_namespace(request, salt)
+    namespace = request_namespace(request, req.cache_salt)
     check_model(req.model, engine.model_name)
     check_completion_features(req)
     vocab = vocab_size(engine.tokenizer)
@@ -138,6 +142,12 @@ async def create_completion(engine: EngineClient, req: CompletionRequest, reques
         max_model_len=engine.max_model_len,
         vocab_size=vocab,
     )
+    return namespace, prompts, params
+
+
+async def create_completion(engine: EngineClient, req: CompletionRequest, request: Request) -> Response:
+    """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
+    namespace, prompts, params = await prepare_completion(engine, req, request)
     state = _Completion(engine, req, prompts, params.n)
     stream = OutputStream(engine, prompts, params, state.id, namespace)
     await unless_disconnected(request, stream.start())
