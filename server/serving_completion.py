@@ -22,6 +22,7 @@ from server.params import check_completion_features, check_model, sampling_param
 from server.prompts import completion_prompts
 from server.protocol import CompletionRequest
 from server.responses import CompletionLogprobs, TokenTexts, finish_reason, new_id, now, usage
+from server.structured import start_constrained, structured_spec
 from server.tenancy import request_namespace
 from server.text_check import check_text
 
@@ -128,6 +129,7 @@ async def create_completion(engine: EngineClient, req: CompletionRequest, reques
     namespace = request_namespace(request, salt)
     check_model(req.model, engine.model_name)
     check_completion_features(req)
+    constraint = structured_spec(req)
     vocab = vocab_size(engine.tokenizer)
     # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
     prompts = await run_in_threadpool(completion_prompts, engine.tokenizer, req.prompt, vocab)
@@ -137,10 +139,11 @@ async def create_completion(engine: EngineClient, req: CompletionRequest, reques
         num_prompt_tokens=max(len(p) for p in prompts),
         max_model_len=engine.max_model_len,
         vocab_size=vocab,
+        structured=constraint[1] if constraint else None,
     )
     state = _Completion(engine, req, prompts, params.n)
     stream = OutputStream(engine, prompts, params, state.id, namespace)
-    await unless_disconnected(request, stream.start())
+    await start_constrained(request, stream, constraint[0] if constraint else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, stream, include_usage), stream)
