@@ -144,14 +144,19 @@ class AsyncEngine:
             "on" if core.enable_prefix_caching else "off",
         )
         tokenizer = core.tokenizer
-        loggers = [getattr(s, "observe_grammar_compile", None) for s in config.stat_loggers]
-        hooks = [h for h in loggers if h is not None]
-        grammars = GrammarCompiler(
-            tokenizer.hf,
-            runner.vocab_size,
-            tokenizer.eos_token_ids,
-            on_compile=lambda seconds: [h(seconds) for h in hooks],
-        )
+        hooks = [h for h in (getattr(s, "observe_grammar_compile", None) for s in config.stat_loggers) if h]
+
+        def on_compile(seconds: float) -> None:
+            for hook in hooks:
+                hook(seconds)
+
+        grammars: GrammarCompiler | None = None
+        try:
+            grammars = GrammarCompiler.from_tokenizer(
+                tokenizer.hf, runner.vocab_size, tokenizer.eos_token_ids, on_compile=on_compile
+            )
+        except Exception:  # a tokenizer xgrammar cannot read: serve, but refuse structured outputs
+            logger.exception("structured outputs disabled: the grammar engine cannot use this tokenizer")
         return cls(
             core,
             tokenizer,

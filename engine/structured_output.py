@@ -91,24 +91,33 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        hf_tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: Iterable[int],
+        tokenizer_info: Any,
         *,
         cache_size: int = 512,
         on_compile: Callable[[float], None] | None = None,
     ) -> None:
+        """`tokenizer_info`: an `xgrammar.TokenizerInfo` whose vocab_size is the model's logits width."""
+        import xgrammar as xgr
+
+        self.vocab_size: int = tokenizer_info.vocab_size
+        self._xgr = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=False)
+        self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.on_compile = on_compile
+
+    @classmethod
+    def from_tokenizer(
+        cls, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], **kwargs: Any
+    ) -> GrammarCompiler:
+        """For a Hugging Face tokenizer; `vocab_size` is the model's (its logits may be wider than the
+        tokenizer's vocabulary: the padding ids are never allowed)."""
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
-        self.vocab_size = vocab_size
-        self._xgr = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
-        self.on_compile = on_compile
+        return cls(info, **kwargs)
 
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         with self._lock:
