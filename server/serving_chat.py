@@ -157,7 +157,8 @@ async def _collect(ctx: _Ctx, stream: OutputStream, n: int) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text), "refusal": None}
         call = _tool_call(ctx, "".join(choice.text), reason)
         if call is not None:
-            message["content"], message["tool_calls"], reason = None, [call], "tool_calls"
+            message["content"], message["tool_calls"] = None, [call]
+            reason = "tool_calls" if reason == "stop" else reason
         body.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
     return {
         "id": ctx.id,
@@ -169,16 +170,19 @@ async def _collect(ctx: _Ctx, stream: OutputStream, n: int) -> dict[str, Any]:
     }
 
 
-def _tool_call(ctx: _Ctx, text: str, reason: str, call_id: str | None = None) -> dict[str, Any] | None:
-    """The tool call a finished forced-call sequence made; None if it was cut short (then it is content)."""
-    if ctx.tools is None or reason != "stop":
+def _tool_call(ctx: _Ctx, text: str, reason: str) -> dict[str, Any] | None:
+    """The tool call a finished forced-call sequence made. A named call cut short (max_tokens) is still that
+    call, with its partial arguments, as the stream already sent them; a "required" call cut short has no
+    known function, so it is None (the text is content)."""
+    if ctx.tools is None:
         return None
-    parsed = ctx.tools.parse(text)
+    parsed = ctx.tools.parse(text) if reason == "stop" else None
+    if parsed is None and ctx.tools.name is not None and text:
+        parsed = (ctx.tools.name, text)
     if parsed is None:
         return None
     name, arguments = parsed
-    function = {"name": name, "arguments": arguments}
-    return {"id": call_id or new_tool_call_id(), "type": "function", "function": function}
+    return {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _tool_deltas(
@@ -201,7 +205,7 @@ def _tool_deltas(
     if named is not None:
         return [*out, ({}, "tool_calls" if reason == "stop" and call_ids[c.index] else reason)]
     call = _tool_call(ctx, text, reason)
-    if call is None:  # cut short: what it made is plain content
+    if call is None:  # a "required" call cut short: what it made is plain content
         return [({"content": text}, None), ({}, reason)] if text else [({}, reason)]
     return [({"tool_calls": [{"index": 0, **call}]}, None), ({}, "tool_calls")]
 

@@ -211,6 +211,24 @@ def test_forced_tool_calls(client: openai.OpenAI, brine_server: BrineServer, too
     assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["tool_calls"]
 
 
+def test_a_named_call_cut_short_is_still_that_call_with_finish_length(
+    client: openai.OpenAI, brine_server: BrineServer
+) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(
+        model=brine_server.model,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice=named,
+        max_tokens=3,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+
+
 def test_tool_choice_auto_and_unknown_names_are_400s(brine_server: BrineServer) -> None:
     for choice, param in (
         ("auto", "tool_choice"),
