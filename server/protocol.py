@@ -81,7 +81,8 @@ class _Request(BaseModel):
         "no limit" or "false" further on."""
         if not isinstance(data, dict):
             return data
-        unknown = {key for key in data if isinstance(key, str) and key not in cls.model_fields}
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = {key for key in data if isinstance(key, str) and key not in known}
         if unknown:
             UNKNOWN_FIELDS.log(cls.__name__, unknown)
         return {
@@ -105,7 +106,8 @@ class ResponseFormat(_Request):
 class StructuredOutputs(_Request):
     """vLLM's `structured_outputs` extra: exactly one of these."""
 
-    json: str | dict[str, Any] | None = None
+    # `json` would shadow BaseModel.json: the field is json_, sent as "json".
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None

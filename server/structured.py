@@ -99,8 +99,8 @@ def structured_spec(
     so = req.structured_outputs
     if so is not None:
         inner: list[StructuredOutputSpec] = []
-        if so.json is not None:
-            inner.append(StructuredOutputSpec("json_schema", _schema_text(so.json, "structured_outputs")))
+        if so.json_ is not None:
+            inner.append(StructuredOutputSpec("json_schema", _schema_text(so.json_, "structured_outputs")))
         if so.regex is not None:
             inner.append(StructuredOutputSpec("regex", so.regex))
         if so.choice is not None:
