@@ -12,6 +12,12 @@ rounds and the paired per-round ratio, with its spread (noise on a shared machin
     .venv/bin/python benchmarks/decode_bench.py --concurrency 1,8,32 --max-tokens 256 --device cuda
     git archive HEAD~1 | tar -x -C /tmp/before
     .venv/bin/python benchmarks/decode_bench.py --baseline /tmp/before --rounds 5
+    .venv/bin/python benchmarks/decode_bench.py --json-schema --concurrency 1,16   # constrained vs free
+
+`--json-schema` runs every level twice in one engine, free and with every request constrained to a JSON
+schema (an object holding one string of at least 4096 characters, so the grammar stays live for all
+`--max-tokens`), alternating
+which goes first over `--rounds`, and reports the medians and the constrained / free ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +35,19 @@ from pathlib import Path
 
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputSpec
+
+# One string field longer than any run fills: the grammar stays live, so the mask applies at every step.
+BENCH_SCHEMA = StructuredOutputSpec(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"story": {"type": "string", "minLength": 4096}},
+            "required": ["story"],
+        }
+    ),
+)
 
 
 @dataclass(slots=True)
@@ -48,8 +67,14 @@ async def one_request(engine: AsyncEngine, ids: list[int], params: SamplingParam
     return times
 
 
-async def run_level(engine: AsyncEngine, concurrency: int, prompt_len: int, max_tokens: int) -> LevelResult:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+async def run_level(
+    engine: AsyncEngine,
+    concurrency: int,
+    prompt_len: int,
+    max_tokens: int,
+    structured: StructuredOutputSpec | None = None,
+) -> LevelResult:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured=structured)
     vocab = 1000
     # Distinct prompts (first token differs) so that the prefix cache does not share their blocks.
     prompts = [[(i * 7919 + j * 31) % vocab + 100 for j in range(prompt_len)] for i in range(concurrency)]
@@ -83,6 +108,8 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
     print(f"loaded {engine.model_name} in {time.perf_counter() - t0:.1f}s")
     try:
         await run_level(engine, 2, args.prompt_len, 8)  # warm-up (lazy init, allocator, caches)
+        if args.json_schema:
+            return await _constrained_vs_free(engine, args, levels)
         results = []
         for level in levels:
             results.append(await run_level(engine, level, args.prompt_len, args.max_tokens))
@@ -90,6 +117,29 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         return results
     finally:
         engine.shutdown()
+
+
+async def _constrained_vs_free(
+    engine: AsyncEngine, args: argparse.Namespace, levels: list[int]
+) -> list[LevelResult]:
+    """Per level: free and constrained runs alternating over rounds; prints the ratio table."""
+    await run_level(engine, 2, args.prompt_len, 8, BENCH_SCHEMA)  # compiles the grammar once (cached)
+    print(f"\n{'concurrency':>11} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6} {'min-max':>12}")
+    out = []
+    for level in levels:
+        free: list[float] = []
+        constrained: list[float] = []
+        for i in range(args.rounds):
+            for spec in (None, BENCH_SCHEMA) if i % 2 == 0 else (BENCH_SCHEMA, None):
+                r = await run_level(engine, level, args.prompt_len, args.max_tokens, spec)
+                (free if spec is None else constrained).append(r.decode_tokens_per_s)
+                out.append(r)
+        ratios = [c / f for c, f in zip(constrained, free, strict=True)]
+        print(
+            f"{level:>11} {statistics.median(free):>11.1f} {statistics.median(constrained):>11.1f} "
+            f"{statistics.median(ratios):>5.2f}x {min(ratios):>5.2f}-{max(ratios):.2f}"
+        )
+    return out
 
 
 def _run_tree(tree: Path, argv: list[str]) -> list[LevelResult]:
@@ -143,6 +193,11 @@ def main() -> None:
     )
     parser.add_argument("--baseline", type=Path, help="another checkout to compare against, side by side")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds with --baseline")
+    parser.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="measure JSON-schema-constrained decode against free decode",
+    )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a --baseline round
     args = parser.parse_args()
     if args.baseline is not None:
@@ -154,6 +209,8 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     results = asyncio.run(main_async(args))
+    if args.json_schema:
+        return
     if args.json:
         print(json.dumps([asdict(r) for r in results]))
         return

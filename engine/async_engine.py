@@ -26,6 +26,7 @@ from typing import Any
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import CompiledGrammar, GrammarCompiler, StructuredOutputError
 from engine.tokenizer import Tokenizer
 from kv_cache.namespace import CacheNamespace, Owner
 
@@ -66,11 +67,20 @@ _STOP = object()
 
 class AsyncEngine:
     def __init__(
-        self, core: EngineCore, tokenizer: Any, *, model_name: str, kv_events: Any | None = None
+        self,
+        core: EngineCore,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        kv_events: Any | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
-        """kv_events: the `KVEventPublisher` fed by `core` (its sink), closed by `shutdown`; None if off."""
+        """kv_events: the `KVEventPublisher` fed by `core` (its sink), closed by `shutdown`; None if off.
+        grammars: compiles structured-output constraints; None where the tokenizer cannot feed a grammar
+        engine (such requests are refused with a 400)."""
         self._core = core
         self.kv_events = kv_events
+        self._grammars = grammars
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = core.max_model_len
@@ -133,8 +143,26 @@ class AsyncEngine:
             runner.block_size,
             "on" if core.enable_prefix_caching else "off",
         )
+        tokenizer = core.tokenizer
+        hooks = [h for h in (getattr(s, "observe_grammar_compile", None) for s in config.stat_loggers) if h]
+
+        def on_compile(seconds: float) -> None:
+            for hook in hooks:
+                hook(seconds)
+
+        grammars: GrammarCompiler | None = None
+        try:
+            grammars = GrammarCompiler.from_tokenizer(
+                tokenizer.hf, runner.vocab_size, tokenizer.eos_token_ids, on_compile=on_compile
+            )
+        except Exception:  # a tokenizer xgrammar cannot read: serve, but refuse structured outputs
+            logger.exception("structured outputs disabled: the grammar engine cannot use this tokenizer")
         return cls(
-            core, core.tokenizer, model_name=config.served_model_name or files.name, kv_events=kv_events
+            core,
+            tokenizer,
+            model_name=config.served_model_name or files.name,
+            kv_events=kv_events,
+            grammars=grammars,
         )
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -154,6 +182,7 @@ class AsyncEngine:
         `owner`: whom the scheduler shares fairly between; requests naming the same owner (the prompts of one
         API request, a tenant's requests) share one fair share. Default: this request alone."""
         self._core.check_request(prompt_token_ids, params)
+        grammar = await self._compile(params)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
@@ -162,7 +191,9 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, stream, list(prompt_token_ids), params, namespace, owner))
+        self._inbox.put(
+            ("add", request_id, stream, list(prompt_token_ids), params, namespace, owner, grammar)
+        )
         finished = False
         try:
             while not finished:
@@ -176,6 +207,20 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._inbox.put(("abort", request_id))
+
+    async def _compile(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's grammar, compiled (or found in the cache) in a worker thread, so that the step thread
+        never waits for a compilation. StructuredOutputError (a ValueError: the client's 400) if it cannot."""
+        spec = params.structured
+        if spec is None:
+            return None
+        if self._grammars is None:
+            raise StructuredOutputError("Structured outputs are not available for this model's tokenizer.")
+        for stat_logger in self._core.stat_loggers:
+            count = getattr(stat_logger, "count_structured_output", None)
+            if count is not None:
+                count(spec.kind)
+        return await asyncio.to_thread(self._grammars.compile, spec)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its generate() ends with finish_reason "abort"."""
@@ -243,12 +288,14 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
         if cmd[0] == "add":
-            _, request_id, stream, prompt, params, namespace, owner = cmd
+            _, request_id, stream, prompt, params, namespace, owner, grammar = cmd
             with self._streams_lock:
                 if self._streams.get(request_id) is not stream:  # the caller went away before we saw it
                     return []
             try:
-                outputs = self._core.add_request(request_id, prompt, params, namespace=namespace, owner=owner)
+                outputs = self._core.add_request(
+                    request_id, prompt, params, namespace=namespace, owner=owner, grammar=grammar
+                )
             except Exception as exc:  # a bug in adding one request must not kill the engine
                 logger.exception("could not add request %s", request_id)
                 _push(stream, exc)

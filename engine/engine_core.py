@@ -22,6 +22,7 @@ from engine.outputs import RequestOutput, RunnerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import CompiledGrammar, GrammarState
 from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner
 from kv_cache.stats import KVCacheEvent
@@ -107,10 +108,12 @@ class EngineCore:
         namespace: CacheNamespace | None = None,
         arrival_time: float | None = None,
         owner: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> list[RequestOutput]:
         """Queues a request (n sequences). Returns an error output if it cannot be added, else [].
         `owner`: whom the scheduler shares fairly between (several requests may name one owner: the prompts
-        of one API request); default: this request, all its n sequences together."""
+        of one API request); default: this request, all its n sequences together. `grammar` (compiled off
+        this thread) constrains every sequence's output; each gets its own matcher."""
         try:
             self.check_request(prompt_token_ids, params)
             arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -122,6 +125,7 @@ class EngineCore:
                 )
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
                 hasher = self.kv.make_hasher(namespace, prompt_token_ids)
+                state = GrammarState(grammar) if grammar is not None else None
                 children.append(
                     Request(
                         child_id,
@@ -132,6 +136,7 @@ class EngineCore:
                         arrival,
                         index=i,
                         owner=owner or request_id,
+                        grammar=state,
                     )
                 )
             self.outputs.add(request_id, prompt_token_ids, children)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -47,6 +48,9 @@ class ScheduledRequest:
     num_prompt_tokens: int
     # Number of tokens this request has generated so far (its seeded generator's position).
     num_output_tokens: int
+    # The request's `engine.structured_output.GrammarState` (its own object: the sampler reads its mask, the
+    # request advances it); None for an unconstrained request.
+    grammar: Any = None
 
 
 @dataclass(slots=True)

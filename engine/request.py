@@ -20,6 +20,7 @@ from engine.outputs import FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.structured_output import GrammarState
     from kv_cache.hashing import BlockHasher
     from kv_cache.namespace import CacheNamespace
 
@@ -65,6 +66,9 @@ class Request:
     # Whom the scheduler shares slots and tokens fairly between: every sequence of one API request (all its
     # prompts, all n) carries the same owner. Empty: the request's own id.
     owner: str = ""
+    # Constrains the generated tokens (structured outputs); None: unconstrained. Advanced by every appended
+    # output token, never by prompt tokens.
+    grammar: GrammarState | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -116,6 +120,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self._update_block_hashes()
 
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:

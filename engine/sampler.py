@@ -2,13 +2,17 @@
 
 Order, as in vLLM: logprobs come from the raw model distribution (log-softmax of the logits before any
 penalty or temperature). Then repetition penalty (prompt + output tokens), frequency and presence penalties
-(output tokens), min_tokens (stop and EOS tokens masked), and either argmax (temperature 0) or temperature
+(output tokens), min_tokens (stop and EOS tokens masked), the grammar masks of structured-output rows, and
+either argmax (temperature 0) or temperature
 -> min-p -> top-k -> top-p -> a draw. Every step keeps everything batched on the device; only seeded rows
 loop, to draw their noise from their own generator.
 
 Seeds: a seeded request's noise for output token i comes from a generator seeded with mix(seed, i), so the
 same seed and prompt give the same tokens whatever else is in the batch, and also after a preemption that
 recomputes the request (stateless: the runner keeps no per-request sampler state).
+
+Grammar masks (structured outputs) touch only their own rows: the constrained rows are gathered, masked and
+scattered back, so a free request's logits, and so its tokens, are the same bits whatever its neighbours ask.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import ScheduledRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -83,6 +88,11 @@ class Sampler:
         if any(_has_penalty(p) for p in params):
             logits = self._apply_penalties(logits.clone(), reqs)
         logits = self._apply_min_tokens(logits, reqs)
+        constrained = [
+            (i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.active
+        ]
+        if constrained:
+            logits = apply_masks(logits, constrained, self.vocab_size)
         if not rand:
             tokens = logits.argmax(dim=-1)
         elif not rand_subset:

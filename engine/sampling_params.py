@@ -7,6 +7,10 @@ last line of defence and raises `ValueError` (which the server maps to a 400), n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputSpec
 
 _GREEDY_EPS = 1e-5
 
@@ -30,6 +34,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob plus top k
     prompt_logprobs: int | None = None  # same, for prompt tokens (completions echo + logprobs)
     include_stop_str_in_output: bool = False
+    # Constrains the output (JSON schema, regex, ...): compiled by AsyncEngine.generate off the engine thread.
+    structured: StructuredOutputSpec | None = None
     # stop_token_ids as a set, built once per request (each of n children builds its own, once): the scheduler
     # tests every sampled token against it and the sampler masks it while min_tokens holds, so a list would
     # cost its length per token per sequence.

@@ -322,6 +322,7 @@ class Scheduler:
             all_token_ids=req.all_token_ids,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            grammar=req.grammar,
         )
 
     # ---- state -----------------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ from metrics.stats import IterationStats, SchedulerStats
 # rate() needs the series to exist before it increments.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+# Structured-output kinds (`engine.structured_output.KINDS`), pre-created for the same reason.
+STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 # Bucket bounds in seconds, wide enough for a 2-core CPU (slow) and a GPU (fast) alike.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
@@ -145,6 +149,31 @@ class PrometheusStatLogger:
         self.generation_length = histogram(
             "brine_request_generation_tokens", "Generated tokens per finished request.", token_buckets()
         )
+
+        structured = Counter(
+            "brine_structured_output_requests",
+            "Requests with a structured-output constraint (forced tool calls count as json_schema), by kind.",
+            ["model_name", "kind"],
+            registry=reg,
+        )
+        self.structured_output_requests = {
+            k: structured.labels(model_name, k) for k in STRUCTURED_OUTPUT_KINDS
+        }
+        self.grammar_compile_time = histogram(
+            "brine_grammar_compile_seconds",
+            "Time to compile one structured-output grammar (cache misses only; a cached schema costs none).",
+            GRAMMAR_COMPILE_BUCKETS,
+        )
+
+    def count_structured_output(self, kind: str) -> None:
+        """One structured-output request, from the server's event loop (not a step record)."""
+        child = self.structured_output_requests.get(kind)
+        if child is not None:
+            child.inc()
+
+    def observe_grammar_compile(self, seconds: float) -> None:
+        """One grammar compilation, from the worker thread that compiled it."""
+        self.grammar_compile_time.observe(seconds)
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         s, it = scheduler_stats, iteration_stats

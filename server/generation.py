@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputError
 from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError, bad_request, error_body
@@ -41,6 +42,8 @@ def engine_error(exc: BaseException) -> APIError:
     first output, for requests that can never run: those are the client's to fix."""
     if isinstance(exc, EngineDeadError):
         return APIError("The engine is not running.", status=503, type=SERVER_ERROR, code="engine_dead")
+    if isinstance(exc, StructuredOutputError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, ValueError):
         message = str(exc) or "invalid request"
         code = CONTEXT_LENGTH_CODE if "maximum context length" in message else None

@@ -8,6 +8,7 @@ unchecked; that `ValueError` is still mapped to a 400 as a last line of defence.
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputSpec
 from server.errors import APIError, bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -32,12 +33,8 @@ def check_chat_template(chat_template: str | None) -> None:
 def check_chat_features(req: ChatCompletionRequest) -> None:
     """Reject what Brine cannot honour instead of silently ignoring it (the client would get wrong output)."""
     check_chat_template(req.chat_template)
-    if req.tools and req.tool_choice != "none":
-        raise bad_request('Tool calling is not supported; send tool_choice "none" or omit tools.', "tools")
     if req.functions and req.function_call != "none":
         raise bad_request("Function calling is not supported.", "functions")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request('Only response_format type "text" is supported.', "response_format")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     if req.add_generation_prompt and req.continue_final_message:
@@ -95,6 +92,7 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int | None,
+    structured: StructuredOutputSpec | None = None,
 ) -> SamplingParams:
     _check_shared(req, vocab_size)
     if isinstance(req, ChatCompletionRequest):
@@ -136,6 +134,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        structured=structured,
     )
     try:
         params.validate()

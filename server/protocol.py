@@ -81,7 +81,8 @@ class _Request(BaseModel):
         "no limit" or "false" further on."""
         if not isinstance(data, dict):
             return data
-        unknown = {key for key in data if isinstance(key, str) and key not in cls.model_fields}
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = {key for key in data if isinstance(key, str) and key not in known}
         if unknown:
             UNKNOWN_FIELDS.log(cls.__name__, unknown)
         return {
@@ -96,7 +97,21 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(_Request):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    # {"name", "description", "schema", "strict"}: parsed in server.structured (pydantic models cannot have a
+    # field named `schema`).
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    # `json` would shadow BaseModel.json: the field is json_, sent as "json".
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class ChatMessage(_Request):
@@ -144,6 +159,13 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
+    # Structured outputs (server.structured): OpenAI's response_format, and vLLM's extras.
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -152,7 +174,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None

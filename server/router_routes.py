@@ -73,7 +73,8 @@ def install_router_routes(app: FastAPI, engine: EngineClient) -> None:
 
     @app.post("/v1/completions/render", operation_id="renderCompletion", responses=BODY_ERRORS)
     async def render_completion(req: CompletionRequest, request: Request) -> list[dict[str, Any]]:
-        _, prompts, params = await prepare_completion(engine, req, request)  # the generating route's checks
+        prep = await prepare_completion(engine, req, request)  # the generating route's checks
+        prompts, params = prep.prompts, prep.params
         request_id = new_id("cmpl")
         return [
             _generate_request(engine, f"{request_id}-{i}", p, params, req.stream)
@@ -82,5 +83,5 @@ def install_router_routes(app: FastAPI, engine: EngineClient) -> None:
 
     @app.post("/v1/chat/completions/render", operation_id="renderChatCompletion", responses=BODY_ERRORS)
     async def render_chat_completion(req: ChatCompletionRequest, request: Request) -> dict[str, Any]:
-        _, prompt, params = await prepare_chat(engine, req, request)  # the generating route's checks
-        return _generate_request(engine, new_id("chatcmpl"), prompt, params, req.stream)
+        prep = await prepare_chat(engine, req, request)  # the generating route's checks
+        return _generate_request(engine, new_id("chatcmpl"), prep.prompt, prep.params, req.stream)

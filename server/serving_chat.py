@@ -1,6 +1,11 @@
 """`POST /v1/chat/completions`: messages -> chat template -> engine -> a `chat.completion` object, or a stream
 of `chat.completion.chunk` events (role chunk, content deltas, a finish chunk per choice, optional usage
 chunk, `[DONE]`).
+
+A forced tool call (`server.structured.ToolCallPlan`) is reported as `message.tool_calls` with finish reason
+"tool_calls"; streamed, a named function's arguments go out as OpenAI's tool-call deltas as they are made
+(id and name first), and a "required" call, whose function is known only once its name is complete, goes out
+whole when the sequence ends.
 """
 
 from __future__ import annotations
@@ -14,17 +19,24 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient, vocab_size
-from server.errors import SERVER_ERROR, APIError
+from server.errors import SERVER_ERROR, APIError, bad_request
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
 from server.limits import check_limits
 from server.params import check_chat_features, check_model, sampling_params
 from server.prompts import render_chat
 from server.protocol import ChatCompletionRequest
 from server.responses import TokenTexts, chat_logprobs, finish_reason, new_id, now, usage
+from server.structured import (
+    ToolCallPlan,
+    new_tool_call_id,
+    start_constrained,
+    structured_spec,
+    tool_call_plan,
+)
 from server.tenancy import request_namespace
 from server.text_check import check_text
 
@@ -46,6 +58,7 @@ class _Ctx:
     texts: TokenTexts
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    tools: ToolCallPlan | None = None
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -58,9 +71,16 @@ class _Ctx:
         }
 
 
-async def prepare_chat(
-    engine: EngineClient, req: ChatCompletionRequest, request: Request
-) -> tuple[CacheNamespace | None, list[int], SamplingParams]:
+@dataclass(slots=True)
+class PreparedChat:
+    namespace: CacheNamespace | None
+    prompt: list[int]
+    params: SamplingParams
+    constraint: str | None  # the request field that carried an output constraint, if any
+    tools: ToolCallPlan | None  # a forced tool call
+
+
+async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request: Request) -> PreparedChat:
     """Every check of a chat request, in order, then its prompt and params: shared by the generating route
     and its `/render` twin, so a request one refuses the other refuses alike."""
     check_text(req)  # first: a field that is not valid Unicode cannot even be named back in an error
@@ -68,6 +88,14 @@ async def prepare_chat(
     namespace = request_namespace(request, req.cache_salt)
     check_model(req.model, engine.model_name)
     check_chat_features(req)
+    tools = tool_call_plan(req)
+    constraint = structured_spec(req)
+    if tools is not None and constraint is not None:
+        raise bad_request(
+            f"{constraint[0]} cannot be combined with a forced tool call (tool_choice).", constraint[0]
+        )
+    if tools is not None:
+        constraint = ("tools", tools.spec)
     # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
     prompt = await run_in_threadpool(
         render_chat,
@@ -82,15 +110,17 @@ async def prepare_chat(
         num_prompt_tokens=len(prompt),
         max_model_len=engine.max_model_len,
         vocab_size=vocab_size(engine.tokenizer),
+        structured=constraint[1] if constraint else None,
     )
-    return namespace, prompt, params
+    return PreparedChat(namespace, prompt, params, constraint[0] if constraint else None, tools)
 
 
 async def create_chat_completion(
     engine: EngineClient, req: ChatCompletionRequest, request: Request
 ) -> Response:
     """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
-    namespace, prompt, params = await prepare_chat(engine, req, request)
+    prep = await prepare_chat(engine, req, request)
+    prompt, params = prep.prompt, prep.params
     ctx = _Ctx(
         id=new_id("chatcmpl"),
         created=now(),
@@ -98,9 +128,10 @@ async def create_chat_completion(
         want_logprobs=params.logprobs is not None,
         texts=TokenTexts(engine.tokenizer),
         num_prompt_tokens=len(prompt),
+        tools=prep.tools,
     )
-    stream = OutputStream(engine, [prompt], params, ctx.id, namespace)
-    await unless_disconnected(request, stream.start())
+    stream = OutputStream(engine, [prompt], params, ctx.id, prep.namespace)
+    await start_constrained(request, stream, prep.constraint)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream(ctx, stream, params.n, include_usage)
@@ -140,14 +171,13 @@ async def _collect(ctx: _Ctx, stream: OutputStream, n: int) -> dict[str, Any]:
         logprobs = None
         if ctx.want_logprobs:
             logprobs = {"content": chat_logprobs(choice.logprobs, ctx.texts), "refusal": None}
-        body.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
-                "logprobs": logprobs,
-                "finish_reason": _final_reason(choice.finish or FinishReason.ABORT),
-            }
-        )
+        reason = _final_reason(choice.finish or FinishReason.ABORT)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text), "refusal": None}
+        call = _tool_call(ctx, "".join(choice.text), reason)
+        if call is not None:
+            message["content"], message["tool_calls"] = None, [call]
+            reason = "tool_calls" if reason == "stop" else reason
+        body.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
     return {
         "id": ctx.id,
         "object": "chat.completion",
@@ -158,6 +188,46 @@ async def _collect(ctx: _Ctx, stream: OutputStream, n: int) -> dict[str, Any]:
     }
 
 
+def _tool_call(ctx: _Ctx, text: str, reason: str) -> dict[str, Any] | None:
+    """The tool call a finished forced-call sequence made. A named call cut short (max_tokens) is still that
+    call, with its partial arguments, as the stream already sent them; a "required" call cut short has no
+    known function, so it is None (the text is content)."""
+    if ctx.tools is None:
+        return None
+    parsed = ctx.tools.parse(text) if reason == "stop" else None
+    if parsed is None and ctx.tools.name is not None and text:
+        parsed = (ctx.tools.name, text)
+    if parsed is None:
+        return None
+    name, arguments = parsed
+    return {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_deltas(
+    ctx: _Ctx, c: CompletionOutput, text: str, call_ids: list[str | None]
+) -> list[tuple[dict[str, Any], str | None]]:
+    """(delta, finish_reason) chunks for one output of a forced-call sequence; `text` is all of it so far."""
+    assert ctx.tools is not None
+    out: list[tuple[dict[str, Any], str | None]] = []
+    named = ctx.tools.name
+    if named is not None and c.text:
+        if call_ids[c.index] is None:
+            call_ids[c.index] = new_tool_call_id()
+            head = {"index": 0, "id": call_ids[c.index], "type": "function"}
+            out.append(({"tool_calls": [{**head, "function": {"name": named, "arguments": c.text}}]}, None))
+        else:
+            out.append(({"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]}, None))
+    if c.finish_reason is None:
+        return out
+    reason = _final_reason(c.finish_reason)
+    if named is not None:
+        return [*out, ({}, "tool_calls" if reason == "stop" and call_ids[c.index] else reason)]
+    call = _tool_call(ctx, text, reason)
+    if call is None:  # a "required" call cut short: what it made is plain content
+        return [({"content": text}, None), ({}, reason)] if text else [({}, reason)]
+    return [({"tool_calls": [{"index": 0, **call}]}, None), ({}, "tool_calls")]
+
+
 async def _stream(
     ctx: _Ctx, stream: OutputStream, n: int, include_usage: bool
 ) -> AsyncIterator[dict[str, Any]]:
@@ -166,10 +236,19 @@ async def _stream(
         delta = {"role": "assistant", "content": ""}
         yield ctx.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
     num_tokens = 0
+    texts: list[list[str]] = [[] for _ in range(n)]
+    call_ids: list[str | None] = [None] * n
     async for _, out in stream:
         _absorb(ctx, out)
         for c in out.outputs:
             num_tokens += len(c.token_ids)
+            if ctx.tools is not None:
+                texts[c.index].append(c.text)
+                for delta, reason in _tool_deltas(ctx, c, "".join(texts[c.index]), call_ids):
+                    yield ctx.chunk(
+                        [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": reason}]
+                    )
+                continue
             if c.text or (ctx.want_logprobs and c.logprobs):
                 logprobs = None
                 if ctx.want_logprobs:

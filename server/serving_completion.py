@@ -24,6 +24,7 @@ from server.params import check_completion_features, check_model, sampling_param
 from server.prompts import completion_prompts
 from server.protocol import CompletionRequest
 from server.responses import CompletionLogprobs, TokenTexts, finish_reason, new_id, now, usage
+from server.structured import start_constrained, structured_spec
 from server.tenancy import request_namespace
 from server.text_check import check_text
 
@@ -122,9 +123,17 @@ def _final_reason(reason: FinishReason | None) -> str:
     return finish_reason(reason) or "stop"
 
 
+@dataclass(slots=True)
+class PreparedCompletion:
+    namespace: CacheNamespace | None
+    prompts: list[list[int]]
+    params: SamplingParams
+    constraint: str | None  # the request field that carried an output constraint, if any
+
+
 async def prepare_completion(
     engine: EngineClient, req: CompletionRequest, request: Request
-) -> tuple[CacheNamespace | None, list[list[int]], SamplingParams]:
+) -> PreparedCompletion:
     """Every check of a completion request, in order, then its prompts and params: shared by the generating
     route and its `/render` twin, so a request one refuses the other refuses alike."""
     check_text(req)  # first: a field that is not valid Unicode cannot even be named back in an error
@@ -132,6 +141,7 @@ async def prepare_completion(
     namespace = request_namespace(request, req.cache_salt)
     check_model(req.model, engine.model_name)
     check_completion_features(req)
+    constraint = structured_spec(req)
     vocab = vocab_size(engine.tokenizer)
     # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
     prompts = await run_in_threadpool(completion_prompts, engine.tokenizer, req.prompt, vocab)
@@ -141,16 +151,18 @@ async def prepare_completion(
         num_prompt_tokens=max(len(p) for p in prompts),
         max_model_len=engine.max_model_len,
         vocab_size=vocab,
+        structured=constraint[1] if constraint else None,
     )
-    return namespace, prompts, params
+    return PreparedCompletion(namespace, prompts, params, constraint[0] if constraint else None)
 
 
 async def create_completion(engine: EngineClient, req: CompletionRequest, request: Request) -> Response:
     """`req` comes validated from the route's typed body; `request` is watched for a disconnect."""
-    namespace, prompts, params = await prepare_completion(engine, req, request)
+    prep = await prepare_completion(engine, req, request)
+    prompts, params = prep.prompts, prep.params
     state = _Completion(engine, req, prompts, params.n)
-    stream = OutputStream(engine, prompts, params, state.id, namespace)
-    await unless_disconnected(request, stream.start())
+    stream = OutputStream(engine, prompts, params, state.id, prep.namespace)
+    await start_constrained(request, stream, prep.constraint)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, stream, include_usage), stream)

@@ -131,4 +131,4 @@ def test_live_exposition_is_the_documented_exporter(brine_server: BrineServer) -
     body, _ = PrometheusStatLogger("any").render()
     assert live == {(f.name, f.type) for f in text_string_to_metric_families(body.decode())}
     labels = {k for f in text_string_to_metric_families(r.text) for s in f.samples for k in s.labels}
-    assert labels <= {"model_name", "finished_reason", "le"}
+    assert labels <= {"model_name", "finished_reason", "kind", "le"}

@@ -34,6 +34,12 @@ HELP = {
     "brine_request_queue_time_seconds": "Arrival to first scheduled, per finished request that was scheduled.",
     "brine_request_prompt_tokens": "Prompt length per finished request.",
     "brine_request_generation_tokens": "Generated tokens per finished request.",
+    "brine_structured_output_requests": (
+        "Requests with a structured-output constraint (forced tool calls count as json_schema), by kind."
+    ),
+    "brine_grammar_compile_seconds": (
+        "Time to compile one structured-output grammar (cache misses only; a cached schema costs none)."
+    ),
 }
 
 

@@ -101,10 +101,13 @@ def test_continue_final_message(client: TestClient, engine: FakeEngine) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+        # tool_choice defaults to "auto" with tools, which needs a tool-call format the template lacks.
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"top_logprobs": 3}, "top_logprobs"),
         (

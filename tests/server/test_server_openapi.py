@@ -150,17 +150,17 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(
         caplog.clear()
         return sorted(lines, key=lambda line: line[1])
 
-    body = completion_body(guided_json={"x": 1}, priority=3)
+    body = completion_body(guided_decoding_backend="x", priority=3)
     assert client.post("/v1/completions", json=body).status_code == 200
     assert engine.calls[-1].prompt_token_ids == engine.tokenizer.encode("hello")
     first = unknown_lines()
     assert first == [
-        (logging.WARNING, "ignoring unknown field 'guided_json' in CompletionRequest"),
+        (logging.WARNING, "ignoring unknown field 'guided_decoding_backend' in CompletionRequest"),
         (logging.WARNING, "ignoring unknown field 'priority' in CompletionRequest"),
     ]
     assert client.post("/v1/completions", json=body | {"new_one": 1}).status_code == 200
     assert unknown_lines() == [
-        (logging.DEBUG, "ignoring unknown field 'guided_json' in CompletionRequest"),
+        (logging.DEBUG, "ignoring unknown field 'guided_decoding_backend' in CompletionRequest"),
         (logging.WARNING, "ignoring unknown field 'new_one' in CompletionRequest"),
         (logging.DEBUG, "ignoring unknown field 'priority' in CompletionRequest"),
     ]
