@@ -112,7 +112,8 @@ class TiledBackend:
 
     def plan(self, meta: AttentionMetadata) -> TiledPlan:
         # Items: a decode, or a slice of up to QUERY_SLICE queries of one request. Items with as many queries
-        # and a tile count in the same power of two run as one product (few ops per layer, padding < 2x).
+        # and a similar tile count run as one product: decodes by the tile count's power of two (few ops per
+        # layer, padding < 2x), slices by the exact count (their padding would cost more than the ops saved).
         groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # -> (request, start, q0, keys)
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
             first, start = ctx - n, meta.query_starts[i]
@@ -120,9 +121,8 @@ class TiledBackend:
                 b = min(n, a + QUERY_SLICE)
                 keys = first + b if meta.is_causal else ctx  # keys the slice may see: [0, keys)
                 tiles = -(-keys // KV_TILE)
-                groups.setdefault((b - a, 1 << (tiles - 1).bit_length()), []).append(
-                    (i, start + a, first + a, keys)
-                )
+                bucket = 1 << (tiles - 1).bit_length() if b - a == 1 else tiles
+                groups.setdefault((b - a, bucket), []).append((i, start + a, first + a, keys))
         units = [self._unit(meta, items, n) for (n, _), items in sorted(groups.items())]
         return TiledPlan(units, meta.is_causal)
 
