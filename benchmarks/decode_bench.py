@@ -74,7 +74,9 @@ async def run_level(
     max_tokens: int,
     structured: StructuredOutputSpec | None = None,
 ) -> LevelResult:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured=structured)
+    # `structured` only when set: a --baseline tree may predate the field.
+    extra = {} if structured is None else {"structured": structured}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
     vocab = 1000
     # Distinct prompts (first token differs) so that the prefix cache does not share their blocks.
     prompts = [[(i * 7919 + j * 31) % vocab + 100 for j in range(prompt_len)] for i in range(concurrency)]
