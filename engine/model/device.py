@@ -11,7 +11,8 @@ natively (AVX512-BF16 or AMX), else float32. Measured with benchmarks/prefill_be
 
 and bfloat16 still answers the smoke prompt like float32 (same 32 greedy tokens). Without native bf16 the
 matmuls are emulated and slower than float32, hence the check. (Since then bfloat16 linears run on packed
-oneDNN weights, `cpu_linear`, which made bfloat16 decode another ~1.4x faster; float32 is unchanged.)
+oneDNN weights, `cpu_linear`, which made bfloat16 decode another ~1.4x faster; float32 linears run packed too
+since batch invariance, because MKL's float32 F.linear rounds a row by its position in the product.)
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ still change with the batch; they are padded to the multiple that `invariance.ro
 CPU's matmul. (SDPA, the previous default, ran three differently-rounding paths and is kept for
 `--no-batch-invariant`.)
 
-Decodes are grouped by their tile count's power of two (padding stays under 2x); longer chunks run alone in
-slices of `QUERY_SLICE` tokens, which bounds the float32 score buffer and does not change any result.
+Longer chunks are cut into slices of `QUERY_SLICE` tokens, which bounds the float32 score buffer. Slices (of
+any requests) with the same query count and tile count share one product; decodes share one per power of two
+of their tile count (padding stays under 2x). None of this changes any result.
 """
 
 from __future__ import annotations
@@ -150,9 +151,8 @@ class TiledBackend:
             else:
                 t0 = min(unit.ctx) // KV_TILE
             t0 = min(t0, unit.num_tiles)
-            k_pos = torch.arange(t0 * KV_TILE, unit.num_tiles * KV_TILE).view(
-                1, 1, -1
-            )  # [1, 1, L - t0 tiles]
+            # [1, 1, keys from tile t0 on]
+            k_pos = torch.arange(t0 * KV_TILE, unit.num_tiles * KV_TILE).view(1, 1, -1)
             q_pos = (torch.tensor(unit.q0)[:, None] + torch.arange(unit.n)[None, :])[:, :, None]  # [B, n, 1]
             if is_causal:
                 hidden = k_pos > q_pos
