@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:  # imported where used: tests outside e2e import free_port on machines without the SDK
+    import openai
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 600  # the first start converts the GGUF; a busy 2-core machine is slow
@@ -91,6 +94,8 @@ def running_server(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator
 
 
 def make_client(server: BrineServer, *, api_key: str | None = None, strict: bool = True) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(
         base_url=f"{server.base_url}/v1",
         api_key=api_key or server.api_key,
