@@ -40,6 +40,14 @@ logger = logging.getLogger(__name__)
 Q_BLOCK = 16  # query rows per tile: small, so a decode (1 real row) wastes little
 
 
+def _device_fault(exc: BaseException) -> bool:
+    """True for an error raised by the device itself (sticky on CUDA), not by compiling or planning."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return "CUDA error" in str(exc) or "CUDA driver error" in str(exc)
+
+
 def cuda_kv_tile(block_size: int) -> int | None:
     """Keys per Triton tile for a cache block size: a power of two from 16 (tl.dot's minimum) to 64 that
     divides the block; None when there is none (block sizes that are not a multiple of 16)."""
@@ -300,8 +308,14 @@ class FlexBackend:
         try:
             o = self._paged(q, k_cache, v_cache, plan, sliding_window, scale)
         except Exception as exc:  # no Triton, a compile error on a new shape...: keep serving, loudly
+            if _device_fault(exc):
+                # A kernel fault (illegal address...) poisons the CUDA context: every later kernel fails,
+                # the fallback included, so falling back would only hide where it happened.
+                raise
             self.failed = f"{type(exc).__name__}: {exc}"
-            logger.warning("FlexAttention failed (%s); using the SDPA reference backend", self.failed)
+            logger.warning(
+                "FlexAttention failed (%s); using the SDPA reference backend", self.failed, exc_info=exc
+            )
             return self.forward(q, k, v, k_cache, v_cache, plan, sliding_window, scale)
         self.succeeded = True
         out.index_copy_(0, plan.out_tokens, o.index_select(0, plan.out_rows).to(out.dtype))
