@@ -211,9 +211,11 @@ class TiledBackend:
 
         def tiles(cache: torch.Tensor) -> torch.Tensor:
             x = cache.index_select(0, flat).view(b, nb * cache.shape[1], hkv, d)[:, : t * KV_TILE]
-            return (
-                x.view(b, t, KV_TILE, hkv, d).permute(0, 3, 1, 2, 4).float().reshape(b * hkv, t, KV_TILE, d)
-            )
+            # One pass from the gathered blocks to per-head float32 tiles (`.float().reshape()` of the
+            # permuted view made two: the cast kept the permuted strides, so the reshape copied again).
+            out = torch.empty((b, hkv, t, KV_TILE, d), dtype=torch.float32, device=cache.device)
+            out.copy_(x.view(b, t, KV_TILE, hkv, d).permute(0, 3, 1, 2, 4))
+            return out.view(b * hkv, t, KV_TILE, d)
 
         s = scores(qu[:, None], tiles(k_cache))  # [B * Hkv, T, Mp, KV_TILE]
         t0, blocked = self._mask(unit, group, window, is_causal)
