@@ -8,6 +8,7 @@ so does text the tokenizer cannot take; each is one log line, never a traceback.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from typing import Any
 
@@ -46,11 +47,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.name is not None:
             item["name"] = message.name
         if message.tool_calls:
-            item["tool_calls"] = message.tool_calls
+            item["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
         out.append(item)
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier tool call as templates read it: OpenAI sends `arguments` as a JSON string, and templates
+    (Qwen's `tool_call.arguments | tojson`) expect the object, so it is decoded where it parses (as vLLM does)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def _takes_add_special_tokens(tokenizer: TokenizerLike) -> bool:
@@ -82,7 +96,10 @@ def render_chat(
     add_generation_prompt: bool,
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
+    tools: list[Any] | None = None,
 ) -> list[int]:
+    """The prompt of a chat: `messages` (and `tools`, for templates that render them) through the model's
+    template, then tokenized."""
     kwargs = dict(chat_template_kwargs or {})
     if "chat_template" in kwargs:
         # The template comes from the model. A request's own template would be an arbitrary Jinja program: even
@@ -93,6 +110,8 @@ def render_chat(
     kwargs.pop("add_generation_prompt", None)
     kwargs.pop("continue_final_message", None)
     kwargs.pop("messages", None)
+    if tools:
+        kwargs["tools"] = tools  # the request's own field wins over a copy in chat_template_kwargs
     plain = template_messages(messages)
     try:
         text = tokenizer.apply_chat_template(

@@ -5,7 +5,8 @@ chunk, `[DONE]`).
 A forced tool call (`server.structured.ToolCallPlan`) is reported as `message.tool_calls` with finish reason
 "tool_calls"; streamed, a named function's arguments go out as OpenAI's tool-call deltas as they are made
 (id and name first), and a "required" call, whose function is known only once its name is complete, goes out
-whole when the sequence ends.
+whole when the sequence ends. With `tool_choice: "auto"` on a model whose template has its own tool-call
+format, the output is split into content and calls by `server.tool_parsers`, streamed as it is made.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from server.structured import (
 )
 from server.tenancy import request_namespace
 from server.text_check import check_text
+from server.tool_parsers import HermesToolParser, parse_tool_calls, supports_hermes_tools
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class _Ctx:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     tools: ToolCallPlan | None = None
+    auto_tools: bool = False  # tool_choice "auto": calls are parsed out of the output
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -78,6 +81,7 @@ class PreparedChat:
     params: SamplingParams
     constraint: str | None  # the request field that carried an output constraint, if any
     tools: ToolCallPlan | None  # a forced tool call
+    auto_tools: bool = False  # tool_choice "auto" on a template with its own tool-call format
 
 
 async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request: Request) -> PreparedChat:
@@ -88,7 +92,10 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
     namespace = request_namespace(request, req.cache_salt)
     check_model(req.model, engine.model_name)
     check_chat_features(req)
-    tools = tool_call_plan(req)
+    auto_tools = (
+        bool(req.tools) and req.tool_choice in (None, "auto") and supports_hermes_tools(engine.tokenizer)
+    )
+    tools = tool_call_plan(req, auto_tools)
     constraint = structured_spec(req)
     if tools is not None and constraint is not None:
         raise bad_request(
@@ -104,6 +111,7 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
         add_generation_prompt=bool(req.add_generation_prompt),
         continue_final_message=bool(req.continue_final_message),
         chat_template_kwargs=req.chat_template_kwargs,
+        tools=req.tools if req.tool_choice != "none" else None,
     )
     params = sampling_params(
         req,
@@ -112,7 +120,7 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
         vocab_size=vocab_size(engine.tokenizer),
         structured=constraint[1] if constraint else None,
     )
-    return PreparedChat(namespace, prompt, params, constraint[0] if constraint else None, tools)
+    return PreparedChat(namespace, prompt, params, constraint[0] if constraint else None, tools, auto_tools)
 
 
 async def create_chat_completion(
@@ -129,6 +137,7 @@ async def create_chat_completion(
         texts=TokenTexts(engine.tokenizer),
         num_prompt_tokens=len(prompt),
         tools=prep.tools,
+        auto_tools=prep.auto_tools,
     )
     stream = OutputStream(engine, [prompt], params, ctx.id, prep.namespace)
     await start_constrained(request, stream, prep.constraint)
@@ -177,6 +186,11 @@ async def _collect(ctx: _Ctx, stream: OutputStream, n: int) -> dict[str, Any]:
         if call is not None:
             message["content"], message["tool_calls"] = None, [call]
             reason = "tool_calls" if reason == "stop" else reason
+        elif ctx.auto_tools:
+            message["content"], calls = parse_tool_calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
         body.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
     return {
         "id": ctx.id,
@@ -228,6 +242,25 @@ def _tool_deltas(
     return [({"tool_calls": [{"index": 0, **call}]}, None), ({}, "tool_calls")]
 
 
+def _parsed_chunks(ctx: _Ctx, parser: HermesToolParser, c: CompletionOutput) -> list[dict[str, Any]]:
+    """The chunks for one output of a tool_choice "auto" sequence: the parser's content and tool-call deltas
+    (the first carries the output's logprobs), then the finish."""
+    deltas, reason = parser.step(c.text, _final_reason(c.finish_reason) if c.finish_reason else None)
+    logprobs = None
+    if ctx.want_logprobs and c.logprobs:
+        logprobs = {"content": chat_logprobs(c.logprobs, ctx.texts), "refusal": None}
+        deltas = deltas or [{"content": ""}]  # text held back by the parser still has its logprobs sent
+    chunks = [
+        ctx.chunk(
+            [{"index": c.index, "delta": d, "logprobs": logprobs if i == 0 else None, "finish_reason": None}]
+        )
+        for i, d in enumerate(deltas)
+    ]
+    if reason is not None:
+        chunks.append(ctx.chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+    return chunks
+
+
 async def _stream(
     ctx: _Ctx, stream: OutputStream, n: int, include_usage: bool
 ) -> AsyncIterator[dict[str, Any]]:
@@ -238,6 +271,7 @@ async def _stream(
     num_tokens = 0
     texts: list[list[str]] = [[] for _ in range(n)]
     call_ids: list[str | None] = [None] * n
+    parsers = [HermesToolParser() for _ in range(n)] if ctx.auto_tools else None
     async for _, out in stream:
         _absorb(ctx, out)
         for c in out.outputs:
@@ -248,6 +282,10 @@ async def _stream(
                     yield ctx.chunk(
                         [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": reason}]
                     )
+                continue
+            if parsers is not None:
+                for chunk in _parsed_chunks(ctx, parsers[c.index], c):
+                    yield chunk
                 continue
             if c.text or (ctx.want_logprobs and c.logprobs):
                 logprobs = None

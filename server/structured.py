@@ -7,7 +7,8 @@ Accepted, one constraint per request (two at once is a 400):
   `structured_outputs` object with one of `json`, `regex`, `choice`, `grammar`, `json_object`;
 - on chat, `tools` with `tool_choice` `"required"` or a named function: the output is constrained to a call
   of that function (its `parameters` schema), as vLLM does on any model, and reported as `tool_calls`.
-  `"auto"` needs the model's own tool-call format, which the default model's template does not have: a 400.
+  `"auto"` needs the model's own tool-call format (`server.tool_parsers`: Hermes-style `<tool_call>` blocks,
+  as Qwen2.5 / Qwen3 templates have); elsewhere, the default model's SmolLM2 template included, it is a 400.
 
 Whether a schema compiles is the grammar engine's to say (in the engine, off its step thread): a
 `StructuredOutputError` there becomes a 400 naming the field.
@@ -160,12 +161,17 @@ def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def tool_call_plan(req: ChatCompletionRequest) -> ToolCallPlan | None:
-    """The forced tool call a chat request asks for, or None (no tools, or tool_choice "none")."""
+def tool_call_plan(req: ChatCompletionRequest, auto_tools: bool = False) -> ToolCallPlan | None:
+    """The forced tool call a chat request asks for, or None (no tools, tool_choice "none", or "auto" where
+    `auto_tools`: the model's chat template has its own tool-call format, which `server.tool_parsers` reads
+    out of the unconstrained output)."""
     if not req.tools or req.tool_choice == "none":
         return None
     choice = req.tool_choice
     if choice is None or choice == "auto":
+        if auto_tools:
+            _functions(req.tools)  # malformed tools are the same 400 as with a forced call
+            return None
         raise bad_request(
             'tool_choice "auto" is not supported: this model\'s chat template has no tool-call format. Send '
             'tool_choice "required" or {"type": "function", "function": {"name": ...}} to force a call, or '
