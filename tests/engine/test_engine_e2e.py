@@ -1,4 +1,5 @@
-"""The engine with the real default model (slow): prefix caching changes nothing but the work done.
+"""The engine with the real default model (slow): prefix caching changes nothing but the work done, and
+output constraints change nothing for the free requests batched beside them.
 
 One engine with prefix caching and one without are shared by the whole module; after every test no block may
 still be in use.
@@ -7,6 +8,7 @@ still be in use.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputSpec
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +144,37 @@ def test_encoding_a_long_prompt_lets_other_threads_run(cached):
         thread.join()
     assert ids == cached.tokenizer.backend.encode(text, add_special_tokens=False).ids
     assert ticks >= 10, f"the other thread ran only {ticks} times while {len(ids)} tokens were encoded"
+
+
+# A string longer than any run fills: each constrained request's grammar is live at every step it shares.
+LONG_JSON = StructuredOutputSpec(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"story": {"type": "string", "minLength": 4096}},
+            "required": ["story"],
+            "additionalProperties": False,
+        },
+        sort_keys=True,
+    ),
+)
+
+
+async def test_sixteen_at_once_half_constrained_leave_the_free_half_unchanged(uncached):
+    """16 concurrent requests, 8 constrained to a JSON schema and 8 free (sampled with seeds): each free one
+    gives the very tokens it gives alone, and the constrained ones ran constrained in the same steps."""
+    free = [
+        (chat_ids(uncached, "You are a poet.", f"Write a line about the number {i}."), i) for i in range(8)
+    ]
+    params = [SamplingParams(max_tokens=24, temperature=0.9, seed=seed) for _, seed in free]
+    alone = [(await run(uncached, ids, p))[0] for (ids, _), p in zip(free, params, strict=True)]
+    asked = [chat_ids(uncached, "Answer in JSON.", f"Tell story number {i}.") for i in range(8)]
+    json_params = SamplingParams(max_tokens=32, temperature=0.9, seed=7, structured=LONG_JSON)
+    results = await asyncio.gather(
+        *[run(uncached, ids, p) for (ids, _), p in zip(free, params, strict=True)],
+        *[run(uncached, ids, json_params) for ids in asked],
+    )
+    assert [tokens for tokens, _, _ in results[:8]] == alone
+    for tokens, text, _ in results[8:]:
+        assert len(tokens) == 32 and text.startswith('{"story": "'), text
