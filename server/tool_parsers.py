@@ -3,8 +3,9 @@ the parser that turns the model's text into `content` and `tool_calls`, whole or
 
 The format is Hermes-style, as in the chat templates of Qwen2.5 / Qwen3 (and NousResearch's Hermes), the one
 vLLM's `hermes` tool parser reads: each call is a block `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-in the output. A template supports it when it mentions `<tool_call>` and renders the `tools` it is given
-(probed once per tokenizer); SmolLM2's template, the default model's, does neither.
+in the output. A template supports it when it mentions `<tool_call>` and renders the `tools` it is given,
+and the tokenizer keeps `<tool_call>` in decoded text (probed once per tokenizer); SmolLM2's template, the
+default model's, does neither.
 
 How text is split (one parser per choice; the whole text and the same text token by token give the same
 result, because the non-streamed response is the streamed parser fed everything at once):
@@ -18,7 +19,7 @@ result, because the non-streamed response is the streamed parser fed everything 
   stays `content`, tags included. vLLM instead turns the whole output into content when any block is
   malformed; here the good blocks still count, as a stream that already sent them must;
 - an output that ends inside a block (max_tokens, a stop string) keeps a call already announced, with the
-  arguments made so far (the route reports finish_reason "length", as for a forced call cut short);
+  arguments made so far (cut by max_tokens, finish_reason stays "length", as for a forced call cut short);
   an unannounced block is read whole as above, as vLLM reads an unterminated last block.
 """
 
@@ -52,7 +53,7 @@ _PROBE_TOOL = {
 
 def supports_hermes_tools(tokenizer: TokenizerLike) -> bool:
     """Whether the tokenizer's chat template has Hermes-style tool calls: it mentions `<tool_call>` and puts
-    the tools it is given into the prompt."""
+    the tools it is given into the prompt, and `<tool_call>` is not a special token dropped from the output."""
     return _probe(tokenizer)
 
 
@@ -67,7 +68,14 @@ def _probe(tokenizer: TokenizerLike) -> bool:
         )
     except Exception:  # a template that cannot render tools does not support them
         return False
-    return isinstance(text, str) and _PROBE_NAME in text
+    if not isinstance(text, str) or _PROBE_NAME not in text:
+        return False
+    # Output text is decoded without special tokens: where `<tool_call>` is one, the blocks would vanish and
+    # calls would be lost silently; a 400 says so instead.
+    try:
+        return TOOL_CALL_START in tokenizer.decode(tokenizer.encode(TOOL_CALL_START))
+    except Exception:
+        return False
 
 
 @dataclass(slots=True)

@@ -174,3 +174,9 @@ def test_template_detection(tmp_path: Path) -> None:
     mentions = Tokenizer(tmp_path / "qwen")
     mentions.hf.chat_template = smol.hf.chat_template + "{# models answer with <tool_call> blocks #}"
     assert not supports_hermes_tools(mentions)
+    # A tokenizer where <tool_call> is a special token drops it from decoded output: the calls would be lost.
+    from tokenizers import AddedToken
+
+    special = Tokenizer(tmp_path / "qwen")
+    special.backend.add_special_tokens([AddedToken("<tool_call>", special=True)])
+    assert not supports_hermes_tools(special)
