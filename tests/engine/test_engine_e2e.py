@@ -161,9 +161,10 @@ LONG_JSON = StructuredOutputSpec(
 )
 
 
-async def test_sixteen_at_once_half_constrained_leave_the_free_half_unchanged(uncached):
+async def test_sixteen_at_once_half_constrained_leave_the_free_half_unchanged(cached, uncached):
     """16 concurrent requests, 8 constrained to a JSON schema and 8 free (sampled with seeds): each free one
-    gives the very tokens it gives alone, and the constrained ones ran constrained in the same steps."""
+    gives the very tokens it gives alone, and the constrained ones ran constrained in the same steps. A
+    constrained request gives the same tokens alone, in that batch, and with its prefix cached."""
     free = [
         (chat_ids(uncached, "You are a poet.", f"Write a line about the number {i}."), i) for i in range(8)
     ]
@@ -171,6 +172,7 @@ async def test_sixteen_at_once_half_constrained_leave_the_free_half_unchanged(un
     alone = [(await run(uncached, ids, p))[0] for (ids, _), p in zip(free, params, strict=True)]
     asked = [chat_ids(uncached, "Answer in JSON.", f"Tell story number {i}.") for i in range(8)]
     json_params = SamplingParams(max_tokens=32, temperature=0.9, seed=7, structured=LONG_JSON)
+    constrained_alone = (await run(uncached, asked[0], json_params))[0]
     results = await asyncio.gather(
         *[run(uncached, ids, p) for (ids, _), p in zip(free, params, strict=True)],
         *[run(uncached, ids, json_params) for ids in asked],
@@ -178,3 +180,7 @@ async def test_sixteen_at_once_half_constrained_leave_the_free_half_unchanged(un
     assert [tokens for tokens, _, _ in results[:8]] == alone
     for tokens, text, _ in results[8:]:
         assert len(tokens) == 32 and text.startswith('{"story": "'), text
+    assert results[8][0] == constrained_alone
+    await run(cached, asked[0], json_params)
+    again, _, hit = await run(cached, asked[0], json_params)
+    assert hit > 0 and again == constrained_alone
