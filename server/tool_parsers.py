@@ -114,8 +114,7 @@ class HermesToolParser:
     _ws_before_block: str = ""  # ... kept here while the block may still turn out to be content
     _after_block: bool = False  # whitespace right after a call is dropped too
     _call: ParsedToolCall | None = None  # the open block's call, once its head was read
-    _args_start: int = -1  # where its arguments object starts in `_block`
-    _scan: int = 0  # how far the arguments were scanned (and sent)
+    _scan: int = 0  # how far into `_block` its arguments were scanned (and sent)
     _depth: int = 0
     _in_string: bool = False
     _escape: bool = False
@@ -201,7 +200,7 @@ class HermesToolParser:
     def _open_block(self) -> None:
         self._in_block, self._block = True, ""
         self._ws_before_block, self._ws = self._ws, ""
-        self._call, self._args_start, self._scan, self._depth = None, -1, 0, 0
+        self._call, self._scan, self._depth = None, 0, 0
         self._in_string = self._escape = self._args_done = self._whole_only = False
 
     def _advance(self, out: list[dict[str, Any]]) -> None:
@@ -223,7 +222,7 @@ class HermesToolParser:
                 self._whole_only = True
                 return
             self._call = ParsedToolCall(new_tool_call_id(), name, "")
-            self._args_start = self._scan = head.end()
+            self._scan = head.end()
             self._ws_before_block, self._after_block = "", False
             call_head = {"index": len(self.calls), "id": self._call.id, "type": "function"}
             out.append({"tool_calls": [{**call_head, "function": {"name": name, "arguments": ""}}]})
