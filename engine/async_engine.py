@@ -27,6 +27,7 @@ from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import CompiledGrammar, GrammarCompiler, StructuredOutputError
+from engine.threads import default_torch_threads, set_torch_threads
 from engine.tokenizer import Tokenizer
 from kv_cache.namespace import CacheNamespace, Owner
 
@@ -49,6 +50,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's
     batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
     kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
+    threads: int | None = None  # torch's intra-op threads (engine.threads); None: torch's default
     stat_loggers: list = field(default_factory=list)  # objects with record(SchedulerStats, IterationStats)
 
 
@@ -74,10 +76,15 @@ class AsyncEngine:
         model_name: str,
         kv_events: Any | None = None,
         grammars: GrammarCompiler | None = None,
+        threads: int | None = None,
     ) -> None:
         """kv_events: the `KVEventPublisher` fed by `core` (its sink), closed by `shutdown`; None if off.
         grammars: compiles structured-output constraints; None where the tokenizer cannot feed a grammar
-        engine (such requests are refused with a 400)."""
+        engine (such requests are refused with a 400). threads: torch's intra-op threads, set again on the
+        step thread before its first step (None: leave torch's setting alone)."""
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self._threads = threads
         self._core = core
         self.kv_events = kv_events
         self._grammars = grammars
@@ -103,6 +110,8 @@ class AsyncEngine:
         from engine.model_runner import ModelRunner  # torch: imported only when a real engine is made
 
         files = resolve_model(config.model)
+        # Before the model loads: its batch-invariance probes must run with the threads that serve.
+        set_torch_threads(config.threads)
         kv_events = None
         if config.kv_events_endpoint is not None:
             from engine.kv_event_publisher import KVEventPublisher, replay_endpoint_for
@@ -136,12 +145,14 @@ class AsyncEngine:
             kv_event_sink=kv_events.publish if kv_events is not None else None,
         )
         logger.info(
-            "engine ready: model %s (%s), %d KV blocks of %d tokens, prefix caching %s",
+            "engine ready: model %s (%s), %d KV blocks of %d tokens, prefix caching %s, %d torch threads%s",
             config.served_model_name or files.name,
             files.source,
             runner.num_blocks,
             runner.block_size,
             "on" if core.enable_prefix_caching else "off",
+            default_torch_threads(),
+            "" if config.threads is not None else " (torch's default; --threads sets it)",
         )
         tokenizer = core.tokenizer
         hooks = [h for h in (getattr(s, "observe_grammar_compile", None) for s in config.stat_loggers) if h]
@@ -163,6 +174,7 @@ class AsyncEngine:
             model_name=config.served_model_name or files.name,
             kv_events=kv_events,
             grammars=grammars,
+            threads=config.threads,
         )
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -267,6 +279,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            set_torch_threads(self._threads)  # every op of every step runs on this thread
             while True:
                 # Block only when idle; while busy, take whatever arrived since the last step.
                 commands = [self._inbox.get()] if not self._core.has_work() else []

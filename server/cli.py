@@ -127,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     s.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="CPU threads torch computes with (default: torch's, one per core it may use). Set it below the "
+        "core count when other busy processes share the machine: an oversubscribed thread team stalls at "
+        "every op",
+    )
+    s.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -284,6 +293,7 @@ def engine_config(args: argparse.Namespace, stat_loggers: list[Any]) -> Any:
         max_model_len=args.max_model_len,
         batch_invariant=args.batch_invariant,
         kv_events_endpoint=args.kv_events_endpoint,
+        threads=args.threads,
         stat_loggers=stat_loggers,
     )
 

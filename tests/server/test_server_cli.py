@@ -81,7 +81,7 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--prefix-caching-hash-algo", "--kv-cache-memory", "--num-kv-blocks", "--max-num-seqs",
         "--max-num-batched-tokens", "--max-model-len", "--dtype", "--device", "--served-model-name",
         "--api-key", "--log-level", "cache_salt", "BRINE_API_KEY", "--tenants", "--salt-header",
-        "--require-cache-salt", "--public-prefix",
+        "--require-cache-salt", "--public-prefix", "--threads",
     ):  # fmt: skip
         assert flag in text, flag
 

@@ -1,0 +1,87 @@
+"""`--threads`: the count reaches torch in the process before the model loads, and on the step thread."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from engine_fakes import ByteTokenizer, FakeRunner
+
+import engine.model_runner
+from engine.async_engine import AsyncEngine, EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.threads import set_torch_threads
+from server import cli
+
+
+@pytest.fixture
+def other_count() -> Iterator[int]:
+    """A thread count torch is not using now (so a test can fail), restored afterwards: the count is
+    process-wide, and the rest of the suite must keep its own."""
+    before = torch.get_num_threads()
+    yield 1 if before != 1 else 2
+    torch.set_num_threads(before)
+
+
+class ThreadRecordingRunner(FakeRunner):
+    def __init__(self) -> None:
+        super().__init__(num_blocks=16)
+        self.seen: list[int] = []
+
+    def execute(self, out):  # type: ignore[no-untyped-def]
+        self.seen.append(torch.get_num_threads())  # on the engine's step thread
+        return super().execute(out)
+
+
+async def test_the_step_thread_computes_with_the_asked_threads(other_count: int) -> None:
+    runner = ThreadRecordingRunner()
+    core = EngineCore(runner, ByteTokenizer())
+    engine = AsyncEngine(core, core.tokenizer, model_name="fake", threads=other_count)
+    try:
+        outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))]
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished
+    assert runner.seen and set(runner.seen) == {other_count}
+
+
+def test_from_config_sets_threads_before_the_model_loads(
+    other_count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []
+
+    class Loaded(Exception):
+        pass
+
+    def fake_runner(*args: object, **kwargs: object) -> None:
+        seen.append(torch.get_num_threads())
+        raise Loaded
+
+    monkeypatch.setattr(engine.model_runner, "ModelRunner", fake_runner)
+    with pytest.raises(Loaded):
+        AsyncEngine.from_config(EngineConfig(threads=other_count))
+    assert seen == [other_count]
+
+
+def test_no_threads_leaves_torch_alone() -> None:
+    before = torch.get_num_threads()
+    assert set_torch_threads(None) is None
+    assert torch.get_num_threads() == before
+
+
+def test_bad_counts_are_refused() -> None:
+    core = EngineCore(FakeRunner(), ByteTokenizer())
+    with pytest.raises(ValueError, match="at least 1"):
+        AsyncEngine(core, core.tokenizer, model_name="fake", threads=0)
+    with pytest.raises(ValueError, match="at least 1"):
+        set_torch_threads(0)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--threads", "0"])
+
+
+def test_the_flag_reaches_the_engine_config() -> None:
+    args = cli.build_parser().parse_args(["serve", "--threads", "3"])
+    assert cli.engine_config(args, []).threads == 3
+    assert cli.engine_config(cli.build_parser().parse_args(["serve"]), []).threads is None
