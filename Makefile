@@ -43,10 +43,23 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 LLAMACPP_VENV := benchmarks/.venv-llamacpp
-# The baseline server, in its own venv: llama-cpp-python builds llama.cpp from source (minutes, once).
+# llama.cpp's instruction sets, named one by one from what this CPU advertises, never -march=native: a native
+# build on a VM whose CPU advertises AMX dies with SIGILL (exit 132) on any prompt past a few tokens. AMX stays
+# off; everything else this CPU has is on, so the baseline is as fast as a portable build gets here.
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+isa = -DGGML_$(1)=$(if $(filter $(2),$(CPU_FLAGS)),ON,OFF)
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+	$(call isa,SSE42,sse4_2) $(call isa,AVX,avx) $(call isa,AVX2,avx2) $(call isa,FMA,fma) \
+	$(call isa,F16C,f16c) $(call isa,BMI2,bmi2) $(call isa,AVX512,avx512f) \
+	$(call isa,AVX512_VBMI,avx512vbmi) $(call isa,AVX512_VNNI,avx512_vnni) \
+	$(call isa,AVX512_BF16,avx512_bf16) -DLLAVA_BUILD=OFF
+# The baseline server, in its own venv: llama-cpp-python builds llama.cpp from source (tens of minutes on 2
+# cores, once). The flags it was built with are kept beside it.
 $(LLAMACPP_VENV)/bin/python:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
-	$(LLAMACPP_VENV)/bin/pip install --quiet 'llama-cpp-python[server]' \
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(LLAMACPP_VENV)/bin/pip install --quiet --no-cache-dir \
+		'llama-cpp-python[server]' \
+		&& echo "$(LLAMACPP_CMAKE_ARGS)" > $(LLAMACPP_VENV)/cmake-args.txt \
 		|| { rm -rf $(LLAMACPP_VENV); echo "llama-cpp-python did not build: compare.py will skip it"; }
 
 bench: $(STAMP)

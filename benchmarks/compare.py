@@ -25,12 +25,14 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import importlib.util
 import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +40,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -206,6 +209,51 @@ def wait_ready(spec: ServerSpec, proc: subprocess.Popen | None, log: Path | None
     raise RuntimeError(f"{spec.name} not ready after {timeout:.0f}s")
 
 
+def exit_reason(code: int) -> str:
+    """A dead server's exit status in words; a signal's name where it was one (-N from Popen, 128+N from a
+    shell), SIGILL with what it means for a llama.cpp build."""
+    signum = -code if code < 0 else code - 128 if code > 128 else None
+    if signum is None:
+        return f"exit status {code}"
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        return f"exit status {code}"
+    why = (
+        ": an instruction this CPU does not run (a llama.cpp built with -march=native on a VM whose CPU "
+        "advertises more than it runs, AMX for one; `make bench` builds with GGML_NATIVE=OFF)"
+        if signum == signal.SIGILL
+        else ""
+    )
+    return f"killed by {name} (exit status {code if code > 0 else 128 + signum}){why}"
+
+
+def died(spec: ServerSpec, proc: subprocess.Popen | None, log: Path, during: str) -> str | None:
+    """The report's note for a server process that has exited, or None while it runs (or is external)."""
+    if proc is None or proc.poll() is None:
+        return None
+    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
+    last = " | ".join(line.strip() for line in tail)[-600:]
+    return (
+        f"**{spec.name} died** during {during}: {exit_reason(proc.returncode)}; its later workloads were not "
+        f"run. Last log lines: `{last}`"
+    )
+
+
+async def watched(coro: Any, proc: subprocess.Popen | None, poll_s: float = 0.5) -> Any:
+    """Runs `coro` while polling the server process; returns None as soon as the process has exited (the
+    requests in flight are cancelled), rather than waiting for them to time out."""
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        if proc is not None and proc.poll() is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return None
+    return task.result()
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -222,6 +270,23 @@ def bench_all(
     shared machine falls on all servers alike (an idle server uses no CPU while another is measured)."""
     procs: dict[str, subprocess.Popen] = {}
     results: list[WorkloadResult] = []
+    dead: set[str] = set()
+
+    def log_of(spec: ServerSpec) -> Path:
+        return log_dir / f"{spec.name.split()[0]}.log"
+
+    def check(spec: ServerSpec, during: str) -> bool:
+        """False (and a note, once) when the server has died; a death inside a call may surface as an
+        exception from the client or as a None from `watched`."""
+        if spec.name in dead:
+            return False
+        note = died(spec, procs.get(spec.name), log_of(spec), during)
+        if note is None:
+            return True
+        dead.add(spec.name)
+        notes.append(note)
+        return False
+
     try:
         for spec in specs:
             if spec.cmd is not None:
@@ -240,21 +305,36 @@ def bench_all(
                 continue
             # One short request first: the first forward pays one-off costs (allocation, kernel selection).
             warm = build("unique", args.seed + 999, num_requests=1, prompt_tokens=32, max_tokens=4)
-            asyncio.run(
-                run_workload(spec.base_url, warm, server=spec.name, progress=False, api_key=spec.api_key)
-            )
-            ready.append(spec)
+            try:
+                asyncio.run(watched(run_workload(spec.base_url, warm, server=spec.name, progress=False,
+                                                 api_key=spec.api_key), procs.get(spec.name)))  # fmt: skip
+            except httpx.HTTPError:
+                if check(spec, "the warm-up request"):
+                    raise
+            if check(spec, "the warm-up request"):
+                ready.append(spec)
         for name in args.workloads:
             for spec in ready:
-                if not spec.runs(name):
+                if not spec.runs(name) or not check(spec, f"the workloads before `{name}`"):
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     notes.append(f"time budget spent: {spec.name} {name} skipped")
                     continue
                 wl = build(name, args.seed, **PRESETS[args.preset][name])
-                results.append(asyncio.run(run_workload(spec.base_url, wl, server=spec.name, api_key=spec.api_key,
-                                                        time_limit_s=min(args.time_limit, left))))  # fmt: skip
+                run = run_workload(spec.base_url, wl, server=spec.name, api_key=spec.api_key,
+                                   time_limit_s=min(args.time_limit, left))  # fmt: skip
+                try:
+                    result = asyncio.run(watched(run, procs.get(spec.name)))
+                except httpx.HTTPError:  # e.g. /v1/models refused: the server went away
+                    if check(spec, f"`{name}`"):
+                        raise
+                    continue
+                # A workload the server died in is dropped: its requests failed for that reason alone.
+                if result is not None and check(spec, f"`{name}`"):
+                    results.append(result)
+                else:
+                    check(spec, f"`{name}`")
     finally:
         for proc in procs.values():
             stop(proc)

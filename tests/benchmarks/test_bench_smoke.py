@@ -7,6 +7,7 @@ words), reporting `usage.prompt_tokens_details.cached_tokens` and `brine_prefix_
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -299,3 +300,67 @@ def test_noisy_neighbour_runs_the_quiet_requests_alone_then_beside_the_noisy_ten
     assert result.noise_sent >= 1  # the fake server cannot serve list prompts: sent, not ok
     s = summarize(result)
     assert set(s["ttft_p50_by_tag"]) == {"alone", "noisy"} and s["noise_sent"] == result.noise_sent
+
+
+# A baseline server that dies as a native llama.cpp build did on an AMX VM: it answers /v1/models and its
+# first `DIE_AFTER` completions, then kills itself with SIGILL on the next one (no core file).
+DYING_SERVER = r"""
+import json, os, resource, signal, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+port, die_after = int(sys.argv[1]), int(sys.argv[2])
+served = 0
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"object": "list", "data": [{"id": "dying", "object": "model"}]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        global served
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if served >= die_after:
+            print("ggml: about to run an instruction this CPU lacks", file=sys.stderr, flush=True)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.kill(os.getpid(), signal.SIGILL)
+        served += 1
+        choice = {"index": 0, "text": " hi", "finish_reason": "length"}
+        body = f"data: {json.dumps({'choices': [choice]})}\n\ndata: [DONE]\n\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_a_server_that_dies_is_reported_and_not_waited_for(tmp_path: Path) -> None:
+    port = compare.free_port()
+    cmd = [sys.executable, "-c", DYING_SERVER, str(port), "1"]  # the warm-up lives, the first workload kills
+    spec = compare.ServerSpec("llama-cpp-python 0.0.0", f"http://127.0.0.1:{port}", cmd)
+    args = argparse.Namespace(
+        workloads=["unique", "isolation"], preset="tiny", seed=1, time_limit=600.0, startup_timeout=60.0
+    )
+    notes: list[str] = []
+    results = compare.bench_all([spec], args, tmp_path, time.monotonic() + 600, notes)
+    assert results == []  # the workload it died in is dropped, the next one is not run
+    (note,) = notes
+    assert note.startswith("**llama-cpp-python 0.0.0 died** during `unique`")
+    assert "SIGILL (exit status 132)" in note and "GGML_NATIVE=OFF" in note
+    assert "about to run an instruction this CPU lacks" in note  # the log's last lines
+
+
+def test_exit_reasons_name_the_signal() -> None:
+    assert compare.exit_reason(-4) == compare.exit_reason(132)  # Popen's -N and a shell's 128 + N
+    assert "SIGILL (exit status 132)" in compare.exit_reason(-4)
+    assert compare.exit_reason(-9) == "killed by SIGKILL (exit status 137)"
+    assert compare.exit_reason(1) == "exit status 1"
