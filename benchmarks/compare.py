@@ -38,12 +38,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.latency_bench import LatencyResult
+from benchmarks.latency_bench import markdown as latency_markdown
+from benchmarks.latency_bench import measure as latency_measure
+from benchmarks.latency_bench import ratios as latency_ratios
 from benchmarks.report import charts, markdown, ratios, summarize
 from benchmarks.serve_bench import WorkloadResult, run_workload, to_json
 from benchmarks.workloads import TENANT_WORKLOADS, build, write_server_files
@@ -52,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMACPP_PYTHON = ROOT / "benchmarks" / ".venv-llamacpp" / "bin" / "python"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ORDER = (
+    "latency",  # first: on fresh servers, and never cut by the time budget
     "doc-qa",
     "tenants",
     "prefix-repetition",
@@ -65,6 +70,7 @@ OPERATOR_KEY = "bench-operator-key"  # the tenant servers' --api-key: /metrics i
 # Sizes chosen so three servers x six workloads finish in well under 20 minutes on a 2-core CPU.
 PRESETS: dict[str, dict[str, dict]] = {
     "default": {
+        "latency": {"long_tokens": 2150, "decode_tokens": 128, "repeats": 5},
         "doc-qa": {"doc_tokens": 2000, "questions": 5},
         "tenants": {"num_tenants": 3, "doc_tokens": 800, "rounds": 3},
         "prefix-repetition": {"prefixes": 3, "repeats": 4, "prefix_tokens": 500, "concurrency": 4},
@@ -80,6 +86,7 @@ PRESETS: dict[str, dict[str, dict]] = {
         "noisy-neighbour": {"quiet_tenants": 3, "doc_tokens": 1000, "questions": 4},
     },
     "tiny": {
+        "latency": {"long_tokens": 60, "decode_tokens": 8, "repeats": 2},
         "doc-qa": {"doc_tokens": 100, "questions": 3, "max_tokens": 4},
         "tenants": {"num_tenants": 2, "doc_tokens": 60, "rounds": 2, "max_tokens": 4},
         "prefix-repetition": {
@@ -120,8 +127,11 @@ class ServerSpec:
     # The workloads it runs: None for every workload but the tenant ones (their keys are unknown elsewhere).
     only: tuple[str, ...] | None = None
     api_key: str | None = None  # the operator key it was started with
+    skip: tuple[str, ...] = ()  # workloads it does not run
 
     def runs(self, workload: str) -> bool:
+        if workload in self.skip:
+            return False
         return workload in self.only if self.only is not None else workload not in TENANT_WORKLOADS
 
 
@@ -146,8 +156,27 @@ def brine_spec(caching: bool) -> ServerSpec:
     flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
     name = "brine" if caching else "brine-no-cache"
     return ServerSpec(
-        name, f"http://127.0.0.1:{port}", [*base, "serve", "--host", "127.0.0.1", "--port", str(port), flag]
+        name,
+        f"http://127.0.0.1:{port}",
+        [*base, "serve", "--host", "127.0.0.1", "--port", str(port), flag],
+        skip=() if caching else ("latency",),  # a warm TTFT needs the cache; the rest is brine's own
     )
+
+
+def default_eos_token_ids() -> list[int]:
+    """The default model's EOS ids: llama-cpp-python has no ignore_eos, so the latency workload bans them."""
+    from engine.model.files import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    return sorted(Tokenizer(resolve_model(None).path).eos_token_ids)
+
+
+def latency_roles(specs: list[ServerSpec]) -> tuple[str | None, str | None]:
+    """(Brine's name, llama-cpp-python's name) among the servers that run the latency workload."""
+    llama = next((s.name for s in specs if s.name.startswith("llama")), None)
+    others = [s.name for s in specs if s.name != llama]  # --external servers may have any names
+    brine = next((n for n in others if n.startswith("brine")), others[0] if others else None)
+    return brine, llama
 
 
 def tenant_specs(tenants: Path, public_prefix: Path | None) -> list[ServerSpec]:
@@ -264,10 +293,16 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench_all(
-    specs: list[ServerSpec], args: argparse.Namespace, log_dir: Path, deadline: float, notes: list[str]
+    specs: list[ServerSpec],
+    args: argparse.Namespace,
+    log_dir: Path,
+    deadline: float,
+    notes: list[str],
+    latency: list[LatencyResult] | None = None,
 ) -> list[WorkloadResult]:
     """Runs every workload on every server, workload by workload, so that the load other processes put on a
-    shared machine falls on all servers alike (an idle server uses no CPU while another is measured)."""
+    shared machine falls on all servers alike (an idle server uses no CPU while another is measured). The
+    `latency` workload's results go to `latency` (all its servers measured together, kind by kind)."""
     procs: dict[str, subprocess.Popen] = {}
     results: list[WorkloadResult] = []
     dead: set[str] = set()
@@ -314,6 +349,18 @@ def bench_all(
             if check(spec, "the warm-up request"):
                 ready.append(spec)
         for name in args.workloads:
+            if name == "latency":
+                alive = [s for s in ready if s.runs(name) and check(s, "the workloads before `latency`")]
+                _, llama = latency_roles(alive)
+                got = asyncio.run(latency_measure(
+                    {s.name: s.base_url for s in alive}, llama=llama, seed=args.seed,
+                    eos_token_ids=default_eos_token_ids() if llama else [], **PRESETS[args.preset][name],
+                ))  # fmt: skip
+                for s in alive:
+                    check(s, "`latency`")
+                if latency is not None:
+                    latency += [r for r in got if r.server not in dead]
+                continue
             for spec in ready:
                 if not spec.runs(name) or not check(spec, f"the workloads before `{name}`"):
                     continue
@@ -394,7 +441,8 @@ def main(argv: list[str] | None = None) -> Path:
     deadline = started + args.budget
     for spec in specs:
         notes += spec.notes
-    results = bench_all(specs, args, log_dir, deadline, notes)
+    latency: list[LatencyResult] = []
+    results = bench_all(specs, args, log_dir, deadline, notes, latency)
     summaries = [summarize(r) for r in results]
     prefix = args.out_dir / args.name
     command = "python -m benchmarks.compare " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -410,12 +458,21 @@ def main(argv: list[str] | None = None) -> Path:
         "`usage.prompt_tokens_details.cached_tokens`; the hit rate from `/metrics` deltas (n/a: not reported).",
     ])  # fmt: skip
     pngs = charts(summaries, results, prefix)
+    brine, llama = latency_roles([s for s in specs if s.runs("latency")])
+    if latency and brine is not None:  # the issue-12 targets open the report, under the header
+        header += "\n\n" + latency_markdown(
+            latency, brine, llama if any(r.server == llama for r in latency) else None
+        )
     md = markdown(summaries, header) + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     prefix.with_suffix(".md").write_text(md)
     payload = {
         "command": command,
         "notes": notes,
         "ratios": ratios(summaries),
+        "latency": {
+            "results": [asdict(r) for r in latency],
+            "ratios": latency_ratios(latency, brine, llama) if latency and brine is not None else None,
+        },
         "summaries": summaries,
         "results": [to_json(r) for r in results],
     }

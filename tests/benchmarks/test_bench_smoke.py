@@ -104,9 +104,13 @@ def fake_app(
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
+    app.state.bodies = []  # every /v1/completions body, in order
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> StreamingResponse:
-        return StreamingResponse(generate(await request.json(), False), media_type="text/event-stream")
+        body = await request.json()
+        app.state.bodies.append(body)
+        return StreamingResponse(generate(body, False), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> StreamingResponse:

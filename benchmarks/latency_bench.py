@@ -1,0 +1,279 @@
+"""Single-request latency over HTTP, Brine against llama-cpp-python on the same machine, in one run.
+
+What one request's step time costs (issue 12's targets), measured at the client over streamed
+`/v1/completions` against servers that are already running:
+
+- **5-token TTFT**: a ~5-token prompt, `max_tokens=1`; a different prompt each time (nothing cached);
+- **warm TTFT**: a ~2,000-token prompt sent again right after itself (`max_tokens=1`); the first send of the
+  run is reported too (cold);
+- **decode tok/s**: one stream of `--decode-tokens` tokens with `ignore_eos` (llama-cpp-python has no
+  `ignore_eos`: it gets `logit_bias` -100 on the EOS ids instead), tokens after the first over the time from
+  the first to the last.
+
+Each measure is the median over `--repeats`. The measures run kind by kind, each on every server in turn
+(llama-cpp-python keeps only its previous request's prefix, so a server's warm sends must follow each other).
+Ratios are Brine over llama-cpp-python, with the issue's targets beside them; without a llama-cpp-python
+server only Brine's own figures and its warm / 5-token ratio are given.
+
+    .venv/bin/python -m benchmarks.latency_bench --server brine=http://127.0.0.1:8000 \\
+        --server llama=http://127.0.0.1:8001 --llama llama
+`make bench` runs it as the `latency` workload of `benchmarks/compare.py`, which starts both servers.
+"""
+
+from __future__ import annotations
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from benchmarks.workloads import document
+
+# (measure, target as text, test on the ratio): the issue's targets for Brine / llama-cpp-python.
+TARGETS = {
+    "ttft_short": ("<= 2x", lambda r: r <= 2.0),
+    "ttft_warm": ("<= 3x", lambda r: r <= 3.0),
+    "decode_tok_s": (">= 1x", lambda r: r >= 1.0),
+}
+WARM_OVER_SHORT_TARGET = 1.5  # Brine's warm TTFT over its own 5-token TTFT
+
+
+@dataclass(slots=True)
+class LatencyResult:
+    server: str
+    ttft_short: list[float] = field(default_factory=list)  # seconds
+    ttft_cold_long: float | None = None
+    ttft_warm: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+    prompt_tokens_short: int | None = None  # from usage, where the server reports it
+    prompt_tokens_long: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+    def median(self, measure: str) -> float | None:
+        values = getattr(self, measure)
+        return statistics.median(values) if values else None
+
+
+@dataclass(slots=True)
+class Stream:
+    token_times: list[float]  # seconds since the request was sent, one per non-empty text chunk
+    completion_tokens: int | None
+    prompt_tokens: int | None
+    finish_reason: str | None
+
+
+async def stream(client: httpx.AsyncClient, url: str, body: dict) -> Stream:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
+    start = time.perf_counter()
+    times: list[float] = []
+    usage: dict = {}
+    finish = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("error"):
+                raise RuntimeError(f"error event: {event['error']}")
+            for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    times.append(time.perf_counter() - start)
+                finish = choice.get("finish_reason") or finish
+            usage = event.get("usage") or usage
+    return Stream(times, usage.get("completion_tokens"), usage.get("prompt_tokens"), finish)
+
+
+WORDS = (
+    "apple river stone cloud tiger piano garden window candle forest silver rabbit ocean pencil mirror castle"
+)
+
+
+def short_prompt(i: int) -> str:
+    """5 tokens with the default model's tokenizer (a bos-less BPE: every word here is one token); a
+    different prompt for each i below 16, so that none is cached."""
+    words = WORDS.split()
+    return f"Please say {words[i % len(words)]} once more"
+
+
+async def measure(
+    servers: dict[str, str],
+    *,
+    llama: str | None = None,
+    eos_token_ids: list[int] = (),  # type: ignore[assignment]
+    repeats: int = 5,
+    long_tokens: int = 2150,
+    decode_tokens: int = 128,
+    seed: int = 0,
+    model: str | None = None,
+) -> list[LatencyResult]:
+    """Every measure on every server (name -> base URL). `llama`: the name of the llama-cpp-python server,
+    which gets `logit_bias` on `eos_token_ids` in place of `ignore_eos`."""
+    long_prompt = document(random.Random(seed), long_tokens, "latency")
+    results = {name: LatencyResult(name) for name in servers}
+    async with httpx.AsyncClient(timeout=600) as client:
+        models = {}
+        for name, url in servers.items():
+            models[name] = model or (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+
+        async def each(fn) -> None:  # type: ignore[no-untyped-def]
+            for name, url in servers.items():
+                try:
+                    await fn(results[name], url.rstrip("/"), models[name], name == llama)
+                except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as exc:
+                    results[name].errors.append(f"{fn.__name__}: {type(exc).__name__}: {exc}"[:300])
+
+        async def warm(res: LatencyResult, url: str, model: str, _: bool) -> None:
+            body = {"model": model, "prompt": long_prompt, "max_tokens": 1}
+            first = await stream(client, url, body)
+            res.ttft_cold_long = first.token_times[0] if first.token_times else None
+            res.prompt_tokens_long = first.prompt_tokens
+            for _ in range(repeats):
+                s = await stream(client, url, body)
+                if s.token_times:
+                    res.ttft_warm.append(s.token_times[0])
+
+        async def short(res: LatencyResult, url: str, model: str, _: bool) -> None:
+            for i in range(repeats):
+                s = await stream(
+                    client, url, {"model": model, "prompt": short_prompt(seed + i), "max_tokens": 1}
+                )
+                res.prompt_tokens_short = s.prompt_tokens or res.prompt_tokens_short
+                if s.token_times:
+                    res.ttft_short.append(s.token_times[0])
+
+        async def decode(res: LatencyResult, url: str, model: str, is_llama: bool) -> None:
+            body: dict = {"model": model, "prompt": "Once upon a time", "max_tokens": decode_tokens}
+            if is_llama:
+                body["logit_bias"] = {str(t): -100.0 for t in eos_token_ids}
+            else:
+                body["ignore_eos"] = True
+            for _ in range(repeats):
+                s = await stream(client, url, body)
+                n = len(s.token_times)
+                if n < min(decode_tokens, 64):
+                    res.errors.append(f"decode: the stream ended after {n} tokens ({s.finish_reason})")
+                elif s.token_times[-1] > s.token_times[0]:
+                    res.decode_tok_s.append((n - 1) / (s.token_times[-1] - s.token_times[0]))
+
+        for fn in (warm, short, decode):
+            await each(fn)
+    return list(results.values())
+
+
+def ratios(results: list[LatencyResult], brine: str, llama: str | None) -> dict[str, float | None]:
+    """Brine / llama-cpp-python per measure (None where either is missing), and Brine's warm / 5-token."""
+    by = {r.server: r for r in results}
+    b = by.get(brine)
+    ll = by.get(llama) if llama else None
+    out: dict[str, float | None] = {}
+    for m in TARGETS:
+        x = b.median(m) if b else None
+        y = ll.median(m) if ll else None
+        out[m] = x / y if x is not None and y else None
+    ws = (b.median("ttft_warm"), b.median("ttft_short")) if b else (None, None)
+    out["brine_warm_over_short"] = ws[0] / ws[1] if ws[0] is not None and ws[1] else None
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{1e3 * x:.1f} ms"
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def markdown(results: list[LatencyResult], brine: str, llama: str | None) -> str:
+    lines = [
+        "## Single-request latency (issue 12's targets)",
+        "",
+        "Streamed `/v1/completions`, medians; 5-token TTFT: `max_tokens=1`, a new prompt each time; warm TTFT: a "
+        "~2,000-token prompt sent again right after itself; decode: one stream, `ignore_eos` (llama-cpp-python: "
+        "`logit_bias` on EOS), tokens after the first over the time from the first to the last "
+        "(`benchmarks/latency_bench.py`).",
+        "",
+        "| server | 5-token TTFT | warm TTFT (~2k tokens) | cold TTFT (same prompt, first send) | "
+        "decode tok/s | prompt tokens (short / long) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        dec = r.median("decode_tok_s")
+        lines.append(
+            f"| {r.server} | {_ms(r.median('ttft_short'))} | {_ms(r.median('ttft_warm'))} | "
+            f"{_ms(r.ttft_cold_long)} | {'n/a' if dec is None else f'{dec:.1f}'} | "
+            f"{r.prompt_tokens_short or 'n/a'} / {r.prompt_tokens_long or 'n/a'} |"
+        )
+    rat = ratios(results, brine, llama)
+    names = {"ttft_short": "5-token TTFT", "ttft_warm": "warm TTFT", "decode_tok_s": "decode tok/s"}
+    lines += ["", f"| {brine} / {llama or 'llama-cpp-python'} | measured | target | |", "|---|---|---|---|"]
+    for m, (target, test) in TARGETS.items():
+        r = rat[m]
+        lines.append(
+            f"| {names[m]} | {'n/a' if r is None else f'{r:.2f}x'} | {target} | "
+            f"{'' if r is None else _verdict(test(r))} |"
+        )
+    w = rat["brine_warm_over_short"]
+    lines.append(
+        f"| {brine}'s warm TTFT / its 5-token TTFT | {'n/a' if w is None else f'{w:.2f}x'} | "
+        f"<= {WARM_OVER_SHORT_TARGET}x | {'' if w is None else _verdict(w <= WARM_OVER_SHORT_TARGET)} |"
+    )
+    if llama is None:
+        lines += ["", "No llama-cpp-python server ran: Brine's figures only."]
+    errors = [f"- {r.server}: `{e}`" for r in results for e in r.errors[:3]]
+    if errors:
+        lines += ["", "Errors:", "", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", action="append", required=True, metavar="NAME=URL", help="repeatable")
+    p.add_argument("--brine", default=None, help="which NAME is Brine (default: the first)")
+    p.add_argument("--llama", default=None, help="which NAME is llama-cpp-python (default: none)")
+    p.add_argument(
+        "--eos-token-ids", default="0,2", help="llama-cpp-python's logit_bias ids (default model's)"
+    )
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--long-tokens", type=int, default=2150, help="size of the long prompt (~2,000 real tokens)"
+    )
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    servers = dict(s.split("=", 1) for s in args.server)
+    brine = args.brine or next(iter(servers))
+    results = asyncio.run(
+        measure(
+            servers,
+            llama=args.llama,
+            eos_token_ids=[int(t) for t in args.eos_token_ids.split(",") if t],
+            repeats=args.repeats,
+            long_tokens=args.long_tokens,
+            decode_tokens=args.decode_tokens,
+            seed=args.seed,
+        )
+    )
+    print(markdown(results, brine, args.llama))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {"results": [asdict(r) for r in results], "ratios": ratios(results, brine, args.llama)}, f
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The latency benchmark (issue 12's targets) against fake servers: what it sends, what it measures, what the
+report says about the targets; and its place in compare.py's report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_bench_smoke import fake_app, serve
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is not an installed package
+
+from benchmarks import compare  # noqa: E402
+from benchmarks.latency_bench import LatencyResult, markdown, measure, ratios  # noqa: E402
+
+
+@pytest.fixture
+def two_fakes() -> Iterator[tuple[str, object, str, object]]:
+    brine_app, llama_app = fake_app(), fake_app()
+    for brine_url in serve(brine_app):
+        for llama_url in serve(llama_app):
+            yield brine_url, brine_app, llama_url, llama_app
+
+
+def test_measure_sends_each_kind_and_times_it(two_fakes) -> None:  # noqa: ANN001
+    brine_url, brine_app, llama_url, llama_app = two_fakes
+    results = asyncio.run(
+        measure({"brine": brine_url, "llama": llama_url}, llama="llama", eos_token_ids=[2], repeats=3,
+                long_tokens=60, decode_tokens=8)
+    )  # fmt: skip
+    for r in results:
+        assert not r.errors
+        assert len(r.ttft_short) == len(r.ttft_warm) == len(r.decode_tok_s) == 3
+        assert r.ttft_cold_long is not None and all(t > 0 for t in r.ttft_short + r.ttft_warm)
+        assert all(0 < x < 1000 for x in r.decode_tok_s)  # the fake streams a token per 20 ms
+    for app, is_llama in ((brine_app, False), (llama_app, True)):
+        bodies = app.state.bodies
+        assert all(b["stream"] and b["temperature"] == 0.0 for b in bodies)
+        long = [b for b in bodies if len(b["prompt"].split()) > 20]
+        assert len(long) == 4 and len({b["prompt"] for b in long}) == 1  # one cold send, then 3 warm
+        short = [b for b in bodies if b["max_tokens"] == 1 and b not in long]
+        assert len({b["prompt"] for b in short}) == 3  # a new prompt each time: nothing cached
+        decode = [b for b in bodies if b["max_tokens"] == 8]
+        assert len(decode) == 3
+        if is_llama:  # no ignore_eos in llama-cpp-python: its EOS is banned instead
+            assert all(b["logit_bias"] == {"2": -100.0} and "ignore_eos" not in b for b in decode)
+        else:
+            assert all(b["ignore_eos"] is True and "logit_bias" not in b for b in decode)
+
+
+def test_a_stream_that_ends_early_is_an_error_not_a_rate() -> None:
+    app = fake_app(cut_after=3)
+    for url in serve(app):
+        (r,) = asyncio.run(measure({"brine": url}, repeats=1, long_tokens=30, decode_tokens=8))
+    assert r.decode_tok_s == [] and any("ended after" in e for e in r.errors)
+
+
+def result(name: str, short: float, warm: float, tok_s: float) -> LatencyResult:
+    return LatencyResult(name, ttft_short=[short], ttft_cold_long=1.0, ttft_warm=[warm], decode_tok_s=[tok_s])
+
+
+def test_ratios_and_targets_in_the_report() -> None:
+    both = [result("brine", 0.050, 0.100, 15.0), result("llama", 0.010, 0.010, 30.0)]
+    r = ratios(both, "brine", "llama")
+    assert r["ttft_short"] == pytest.approx(5.0) and r["ttft_warm"] == pytest.approx(10.0)
+    assert r["decode_tok_s"] == pytest.approx(0.5) and r["brine_warm_over_short"] == pytest.approx(2.0)
+    md = markdown(both, "brine", "llama")
+    assert "| 5-token TTFT | 5.00x | <= 2x | **not met** |" in md
+    assert "| warm TTFT | 10.00x | <= 3x | **not met** |" in md
+    assert "| decode tok/s | 0.50x | >= 1x | **not met** |" in md
+    assert "| brine's warm TTFT / its 5-token TTFT | 2.00x | <= 1.5x | **not met** |" in md
+    good = markdown(
+        [result("brine", 0.010, 0.012, 60.0), result("llama", 0.010, 0.010, 30.0)], "brine", "llama"
+    )
+    assert good.count("| met |") == 4 and "not met" not in good
+
+
+def test_brine_only_mode() -> None:
+    md = markdown([result("brine", 0.050, 0.060, 15.0)], "brine", None)
+    assert "| 5-token TTFT | n/a | <= 2x |  |" in md
+    assert "| brine's warm TTFT / its 5-token TTFT | 1.20x | <= 1.5x | met |" in md
+    assert "No llama-cpp-python server ran" in md
+
+
+def test_compare_opens_its_report_with_the_latency_targets(two_fakes, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    brine_url, _, llama_url, llama_app = two_fakes
+    monkeypatch.setattr(compare, "default_eos_token_ids", lambda: [2])
+    md_path = compare.main(["--external", f"brine={brine_url}", "--external", f"llama-cpp-python={llama_url}",
+                            "--workloads", "latency,unique", "--preset", "tiny", "--out-dir", str(tmp_path),
+                            "--name", "lat"])  # fmt: skip
+    md = md_path.read_text()
+    assert md.index("## Single-request latency") < md.index("| unique | brine |")
+    assert "| brine / llama-cpp-python | measured | target | |" in md
+    data = json.loads((tmp_path / "lat.json").read_text())
+    assert {r["server"] for r in data["latency"]["results"]} == {"brine", "llama-cpp-python"}
+    assert data["latency"]["ratios"]["ttft_short"] > 0
+    assert any("logit_bias" in b for b in llama_app.state.bodies)
