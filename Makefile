@@ -43,6 +43,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 LLAMACPP_VENV := benchmarks/.venv-llamacpp
+# Pinned: the option names below are this version's (vendor/llama.cpp/ggml/CMakeLists.txt).
+LLAMACPP_VERSION ?= 0.3.36
 # llama.cpp's instruction sets, named one by one from what this CPU advertises, never -march=native: a native
 # build on a VM whose CPU advertises AMX dies with SIGILL (exit 132) on any prompt past a few tokens. AMX stays
 # off; everything else this CPU has is on, so the baseline is as fast as a portable build gets here.
@@ -53,17 +55,21 @@ LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 	$(call isa,F16C,f16c) $(call isa,BMI2,bmi2) $(call isa,AVX512,avx512f) \
 	$(call isa,AVX512_VBMI,avx512vbmi) $(call isa,AVX512_VNNI,avx512_vnni) \
 	$(call isa,AVX512_BF16,avx512_bf16) -DLLAVA_BUILD=OFF
+# The stamp names the version and flags: a baseline built otherwise (natively, say, or on another CPU) is
+# rebuilt, not reused.
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.built-$(shell echo '$(LLAMACPP_VERSION) $(LLAMACPP_CMAKE_ARGS)' | md5sum | cut -c1-12)
 # The baseline server, in its own venv: llama-cpp-python builds llama.cpp from source (tens of minutes on 2
-# cores, once). The flags it was built with are kept beside it.
-$(LLAMACPP_VENV)/bin/python:
+# busy cores, once). The flags it was built with are kept beside it.
+$(LLAMACPP_STAMP):
+	rm -rf $(LLAMACPP_VENV)
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(LLAMACPP_VENV)/bin/pip install --quiet --no-cache-dir \
-		'llama-cpp-python[server]' \
-		&& echo "$(LLAMACPP_CMAKE_ARGS)" > $(LLAMACPP_VENV)/cmake-args.txt \
+		'llama-cpp-python[server]==$(LLAMACPP_VERSION)' \
+		&& echo "$(LLAMACPP_CMAKE_ARGS)" > $(LLAMACPP_VENV)/cmake-args.txt && touch $@ \
 		|| { rm -rf $(LLAMACPP_VENV); echo "llama-cpp-python did not build: compare.py will skip it"; }
 
 bench: $(STAMP)
-	$(MAKE) $(LLAMACPP_VENV)/bin/python
+	$(MAKE) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.compare
 	$(BIN)/python -m benchmarks.replicas_bench
 
