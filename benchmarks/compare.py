@@ -463,7 +463,8 @@ def main(argv: list[str] | None = None) -> Path:
         header += "\n\n" + latency_markdown(
             latency, brine, llama if any(r.server == llama for r in latency) else None
         )
-    md = markdown(summaries, header) + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
+    body = markdown(summaries, header) if summaries else header + "\n"  # latency alone: no workload table
+    md = body + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     prefix.with_suffix(".md").write_text(md)
     payload = {
         "command": command,
