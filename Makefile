@@ -38,9 +38,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+# mypy, not pyright: a plain PyPI wheel (pyright's wheel downloads Node.js on first run), and its Protocol checks
+# are what the server/engine/kv_cache seams rely on. Scope and settings: [tool.mypy] in pyproject.toml.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 LLAMACPP_VENV := benchmarks/.venv-llamacpp
 # Pinned: the option names below are this version's (vendor/llama.cpp/ggml/CMakeLists.txt).

@@ -19,9 +19,9 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
@@ -30,6 +30,10 @@ from engine.structured_output import CompiledGrammar, GrammarCompiler, Structure
 from engine.threads import default_torch_threads, set_torch_threads
 from engine.tokenizer import Tokenizer
 from kv_cache.namespace import CacheNamespace, Owner
+from metrics.stats import StatLogger
+
+if TYPE_CHECKING:  # zmq: imported only when KV events are on
+    from engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class EngineConfig:
     batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
     kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
     threads: int | None = None  # torch's intra-op threads (engine.threads); None: torch's default
-    stat_loggers: list = field(default_factory=list)  # objects with record(SchedulerStats, IterationStats)
+    stat_loggers: list[StatLogger] = field(default_factory=list)
 
 
 class EngineDeadError(RuntimeError):
@@ -64,17 +68,40 @@ class _Stream:
     queue: asyncio.Queue
 
 
-_STOP = object()
+@dataclass(slots=True)
+class _Add:
+    """Inbox command: put a request into the core (unless its caller has gone meanwhile)."""
+
+    request_id: str
+    stream: _Stream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: CacheNamespace | None
+    owner: str | None
+    grammar: CompiledGrammar | None
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Stop:
+    """Inbox command: leave the step loop (shutdown)."""
+
+
+_Command = _Add | _Abort | _Stop
 
 
 class AsyncEngine:
     def __init__(
         self,
         core: EngineCore,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         model_name: str,
-        kv_events: Any | None = None,
+        kv_events: KVEventPublisher | None = None,
         grammars: GrammarCompiler | None = None,
         threads: int | None = None,
     ) -> None:
@@ -94,7 +121,7 @@ class AsyncEngine:
         self.enable_prefix_caching = core.enable_prefix_caching
         self.num_blocks = core.kv.num_blocks  # KV cache size, for the startup log
         self.block_size = core.kv.block_size
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # callers' registry: ids in use, streams to fail on death
         self._streams_lock = threading.Lock()
         self._live: dict[str, _Stream] = {}  # the step thread's own: requests in the core -> their stream
@@ -133,9 +160,10 @@ class AsyncEngine:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's context length {runner.max_model_len}"
             )
+        tokenizer = Tokenizer(files.path)
         core = EngineCore(
             runner,
-            Tokenizer(files.path),
+            tokenizer,
             max_model_len=config.max_model_len or runner.max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -154,7 +182,6 @@ class AsyncEngine:
             default_torch_threads(),
             "" if config.threads is not None else " (torch's default; --threads sets it)",
         )
-        tokenizer = core.tokenizer
         hooks = [h for h in (getattr(s, "observe_grammar_compile", None) for s in config.stat_loggers) if h]
 
         def on_compile(seconds: float) -> None:
@@ -187,7 +214,7 @@ class AsyncEngine:
         request_id: str | None = None,
         namespace: CacheNamespace | None = None,
         owner: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields deltas; the last has finished=True. ValueError before the first yield for a request that can
         never run. Closing or cancelling the iterator aborts the request (blocks freed at the next step).
         `namespace`: whose cached blocks the request may reuse (None: the shared unsalted namespace).
@@ -203,9 +230,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(
-            ("add", request_id, stream, list(prompt_token_ids), params, namespace, owner, grammar)
-        )
+        self._inbox.put(_Add(request_id, stream, list(prompt_token_ids), params, namespace, owner, grammar))
         finished = False
         try:
             while not finished:
@@ -218,7 +243,7 @@ class AsyncEngine:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._inbox.put(_Abort(request_id))
 
     async def _compile(self, params: SamplingParams) -> CompiledGrammar | None:
         """The request's grammar, compiled (or found in the cache) in a worker thread, so that the step thread
@@ -236,7 +261,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its generate() ends with finish_reason "abort"."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
 
     def is_healthy(self) -> bool:
         return self._dead is None
@@ -269,7 +294,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         if self._thread.is_alive():
-            self._inbox.put((_STOP,))
+            self._inbox.put(_Stop())
             self._thread.join(timeout=30)
         self._fail_all("the engine was shut down")
         if self.kv_events is not None:
@@ -288,34 +313,39 @@ class AsyncEngine:
                         commands.append(self._inbox.get_nowait())
                     except queue.Empty:
                         break
-                if any(cmd[0] is _STOP for cmd in commands):
+                if any(isinstance(cmd, _Stop) for cmd in commands):
                     return
                 with self._core_lock:
                     for cmd in commands:  # in order: an abort's last output before a new request by its id
-                        self._dispatch(self._apply(cmd))
+                        if not isinstance(cmd, _Stop):
+                            self._dispatch(self._apply(cmd))
                     outputs = self._core.step() if self._core.has_work() else []
                 self._dispatch(outputs)
         except BaseException as exc:  # fatal: the runner (or the engine itself) broke
             logger.exception("engine step failed; the engine is dead")
             self._fail_all(f"engine error: {exc!r}")
 
-    def _apply(self, cmd: tuple) -> list[RequestOutput]:
-        if cmd[0] == "add":
-            _, request_id, stream, prompt, params, namespace, owner, grammar = cmd
-            with self._streams_lock:
-                if self._streams.get(request_id) is not stream:  # the caller went away before we saw it
-                    return []
-            try:
-                outputs = self._core.add_request(
-                    request_id, prompt, params, namespace=namespace, owner=owner, grammar=grammar
-                )
-            except Exception as exc:  # a bug in adding one request must not kill the engine
-                logger.exception("could not add request %s", request_id)
-                _push(stream, exc)
+    def _apply(self, cmd: _Add | _Abort) -> list[RequestOutput]:
+        if isinstance(cmd, _Abort):
+            return self._core.abort_request(cmd.request_id)
+        with self._streams_lock:
+            if self._streams.get(cmd.request_id) is not cmd.stream:  # the caller went away before we saw it
                 return []
-            self._live[request_id] = stream
-            return outputs
-        return self._core.abort_request(cmd[1])
+        try:
+            outputs = self._core.add_request(
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                namespace=cmd.namespace,
+                owner=cmd.owner,
+                grammar=cmd.grammar,
+            )
+        except Exception as exc:  # a bug in adding one request must not kill the engine
+            logger.exception("could not add request %s", cmd.request_id)
+            _push(cmd.stream, exc)
+            return []
+        self._live[cmd.request_id] = cmd.stream
+        return outputs
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -15,18 +15,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.output_processor import OutputProcessor, error_output
 from engine.outputs import RequestOutput, RunnerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import CompiledGrammar, GrammarState
 from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner
 from kv_cache.stats import KVCacheEvent
-from metrics.stats import IterationStats, SchedulerStats
+from metrics.stats import IterationStats, SchedulerStats, StatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Runner(Protocol):
     max_model_len: int
     is_causal: bool
 
-    def execute(self, out: Any) -> RunnerOutput: ...
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
     def drop_request(self, request_id: str) -> None: ...
 
@@ -59,7 +59,7 @@ class EngineCore:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
-        stat_loggers: Sequence[Any] = (),
+        stat_loggers: Sequence[StatLogger] = (),
         kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
     ) -> None:
         """kv_event_sink: receives the KV cache events of each step (and of a reset) as one batch, on the

@@ -14,14 +14,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.outputs import FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.structured_output import GrammarState
-    from kv_cache.hashing import BlockHasher
+    from kv_cache.hashing import BlockHash, BlockHasher
     from kv_cache.namespace import CacheNamespace
 
 
@@ -72,7 +72,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
-    block_hashes: list[Any] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit (tokens) at first scheduling; -1 until then

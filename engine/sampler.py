@@ -146,12 +146,13 @@ class Sampler:
         return logits.index_copy_(0, rows_idx, sub)
 
     def _apply_min_tokens(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
-        rows, toks = [], []
+        rows: list[int] = []
+        toks: list[int] = []
         for i, r in enumerate(reqs):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
-                stop = p.stop_token_set if p.ignore_eos else p.stop_token_set.union(self.eos_token_ids)
-                stop = [t for t in stop if 0 <= t < logits.shape[1]]
+                stop_set = p.stop_token_set if p.ignore_eos else p.stop_token_set.union(self.eos_token_ids)
+                stop = [t for t in stop_set if 0 <= t < logits.shape[1]]
                 rows += [i] * len(stop)
                 toks += stop
         if rows:
@@ -181,11 +182,11 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each row own its noise.
         noise = torch.empty_like(probs)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None]
         if len(seeded) < len(params):
             noise.exponential_()
-        for i in seeded:
-            self._generator.manual_seed(mix_seed(params[i].seed, reqs[i].num_output_tokens))
+        for i, seed in seeded:
+            self._generator.manual_seed(mix_seed(seed, reqs[i].num_output_tokens))
             noise[i].exponential_(generator=self._generator)
         return (probs / noise).argmax(dim=-1)
 

@@ -143,11 +143,15 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputSpec) -> Any:
         # No free whitespace (see the module docstring).
-        fixed = {"any_whitespace": False, "separators": (", ", ": ")}
+        separators = (", ", ": ")
         if spec.kind == "json_object":
-            return self._xgr.compile_json_schema('{"type": "object"}', **fixed)
+            return self._xgr.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, separators=separators
+            )
         if spec.kind == "json_schema":
-            return self._xgr.compile_json_schema(spec.spec, strict_mode=True, **fixed)
+            return self._xgr.compile_json_schema(
+                spec.spec, any_whitespace=False, separators=separators, strict_mode=True
+            )
         if spec.kind == "regex":
             return self._xgr.compile_regex(spec.spec)
         if spec.kind == "choice":

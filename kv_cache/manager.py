@@ -35,8 +35,11 @@ class CacheRequest(Protocol):
     num_computed_tokens: int
     block_hashes: list[BlockHash]  # kept current by a BlockHasher (empty when caching is off)
     hasher: BlockHasher | None  # from make_hasher; None when caching is off
-    skip_reading_prefix_cache: bool  # True when prompt logprobs are asked for
     num_preemptions: int  # > 0 once the request has been preempted
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:  # True when prompt logprobs are asked for
+        ...
 
     @property
     def num_tokens(self) -> int:  # == len(all_token_ids)
@@ -185,11 +188,10 @@ class KVCacheManager:
         if end <= start:
             return
         hasher = request.hasher
-        owner = hasher.namespace.owner if hasher is not None else None
         owners = None
-        if owner is not None:
+        if hasher is not None and (owner := hasher.namespace.owner) is not None:
             # Public blocks (below num_public_blocks) belong to nobody: a tenant's reset must not touch them.
-            first_private = hasher.num_public_blocks  # type: ignore[union-attr]
+            first_private = hasher.num_public_blocks
             owners = [owner if i >= first_private else None for i in range(start, end)]
         self.block_pool.cache(blocks[start:end], hashes[start:end], owners)
         self._num_cached[rid] = end

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Query, Request
@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
 from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
-from server.engine_client import EngineClient, vocab_size
+from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError, bad_request, error_body, install_error_handlers
 from server.generation import ClientDisconnected
 from server.limits import RequestLimits
@@ -67,14 +67,17 @@ def create_app(
     max_body_bytes: larger request bodies are refused with a 413 before they are read whole.
     limits: what one generation request may ask for (`server.limits`); the defaults when None.
     """
+    # A body sent without a Content-Type is still read as JSON, as Brine always did (older FastAPI too).
+    lenient: dict[str, Any] = (
+        {"strict_content_type": False} if "strict_content_type" in _FASTAPI_PARAMS else {}
+    )
     app = FastAPI(
         title="Brine",
         version=_version(),
         summary="OpenAI-compatible LLM inference with prefix caching and per-tenant cache salts.",
         docs_url="/docs",
         redoc_url=None,
-        # A body sent without a Content-Type is still read as JSON, as Brine always did (older FastAPI too).
-        **({"strict_content_type": False} if "strict_content_type" in _FASTAPI_PARAMS else {}),
+        **lenient,
     )
     tenancy = tenancy or TenancyConfig()
     app.state.tenancy = tenancy
@@ -179,7 +182,7 @@ def create_app(
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_text(req)
         check_model(req.model, engine.model_name)
-        vocab = vocab_size(engine.tokenizer)
+        vocab = engine.tokenizer.vocab_size
         if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
             raise bad_request("tokens contains a token id outside the vocabulary.", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}

@@ -7,7 +7,7 @@ member here is one more thing both implementations must agree on.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol
 
 from engine.outputs import RequestOutput
@@ -16,11 +16,18 @@ from kv_cache.namespace import CacheNamespace, Owner
 
 
 class TokenizerLike(Protocol):
-    eos_token_ids: Any  # list[int] / set[int]; only passed through
+    """What the server reads from `engine.tokenizer.Tokenizer` (and the fake in tests/server)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    eos_token_ids: frozenset[int]
+    # Added (special) tokens included: token ids at or above it are rejected with a 400 instead of reaching
+    # the model's embedding lookup (an index error there would kill the engine).
+    vocab_size: int
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_to_str(self, token_id: int) -> str: ...
 
     def apply_chat_template(
         self,
@@ -32,7 +39,9 @@ class TokenizerLike(Protocol):
 
 
 class EngineClient(Protocol):
-    tokenizer: TokenizerLike
+    @property
+    def tokenizer(self) -> TokenizerLike: ...  # read-only here, so a narrower tokenizer type satisfies it
+
     model_name: str
     max_model_len: int
     enable_prefix_caching: bool
@@ -47,7 +56,7 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         namespace: CacheNamespace | None = None,
         owner: str | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -62,19 +71,3 @@ class EngineClient(Protocol):
     def kv_event_sources(self) -> dict[str, dict[str, Any]]: ...
 
     def shutdown(self) -> None: ...
-
-
-def vocab_size(tokenizer: TokenizerLike) -> int | None:
-    """The tokenizer's vocabulary size, if it tells: token ids at or above it are rejected with a 400
-    instead of reaching the model's embedding lookup (an index error there would kill the engine).
-
-    The largest of the candidates wins because HF's `vocab_size` leaves out added (special) tokens that
-    `len()` counts, and rejecting a real special token id would be a false 400.
-    """
-    candidates = [getattr(tokenizer, name, None) for name in ("vocab_size", "n_vocab")]
-    try:
-        candidates.append(len(tokenizer))  # type: ignore[arg-type]
-    except TypeError:
-        pass
-    sizes = [c for c in candidates if isinstance(c, int) and c > 0]
-    return max(sizes) if sizes else None

@@ -156,7 +156,7 @@ class OutputStream:
                     await task
             for gen in self._gens:
                 with suppress(Exception):
-                    await gen.aclose()  # type: ignore[attr-defined]
+                    await gen.aclose()
             for rid, finished in zip(self.request_ids, self._finished, strict=True):
                 if not finished:
                     with suppress(Exception):

@@ -7,7 +7,6 @@ so does text the tokenizer cannot take; each is one log line, never a traceback.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 from typing import Any
@@ -67,23 +66,12 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
-def _takes_add_special_tokens(tokenizer: TokenizerLike) -> bool:
-    try:
-        params = inspect.signature(tokenizer.encode).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: assume the plain form
-        return False
-    return "add_special_tokens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 def encode(
     tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool, param: str = "prompt"
 ) -> list[int]:
     """Token ids of `text`; text the tokenizer refuses is the client's to fix: a 400 naming `param`."""
     try:
-        if _takes_add_special_tokens(tokenizer):
-            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # type: ignore[call-arg]
-        # A tokenizer whose encode() takes no such keyword: its default is the only behaviour it has.
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except Exception as exc:
         logger.info("the tokenizer refused the text of %s: %s", param, type(exc).__name__)
         raise bad_request(f"{param} contains text that cannot be tokenized.", param, "invalid_text") from None
@@ -144,9 +132,9 @@ def completion_prompts(
     elif not prompt:
         raise bad_request("prompt must not be an empty list.", "prompt")
     elif isinstance(prompt[0], int):
-        raw = [prompt]  # type: ignore[list-item]
+        raw = [prompt]
     else:
-        raw = list(prompt)  # type: ignore[arg-type]
+        raw = list(prompt)
     out: list[list[int]] = []
     for item in raw:
         if isinstance(item, str):

@@ -46,7 +46,7 @@ class TokenTexts:
 
     def __init__(self, tokenizer: TokenizerLike) -> None:
         # token_to_str keeps special tokens (decode() may skip them, which would show "" for EOS).
-        self._decode_one = getattr(tokenizer, "token_to_str", None) or (lambda t: tokenizer.decode([t]))
+        self._decode_one = tokenizer.token_to_str
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:

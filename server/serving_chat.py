@@ -23,7 +23,7 @@ from starlette.responses import Response
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
-from server.engine_client import EngineClient, vocab_size
+from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError, bad_request
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
 from server.limits import check_limits
@@ -117,7 +117,7 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
         req,
         num_prompt_tokens=len(prompt),
         max_model_len=engine.max_model_len,
-        vocab_size=vocab_size(engine.tokenizer),
+        vocab_size=engine.tokenizer.vocab_size,
         structured=constraint[1] if constraint else None,
     )
     return PreparedChat(namespace, prompt, params, constraint[0] if constraint else None, tools, auto_tools)

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
-from server.engine_client import EngineClient, vocab_size
+from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
 from server.limits import check_limits
@@ -142,7 +142,7 @@ async def prepare_completion(
     check_model(req.model, engine.model_name)
     check_completion_features(req)
     constraint = structured_spec(req)
-    vocab = vocab_size(engine.tokenizer)
+    vocab = engine.tokenizer.vocab_size
     # In a worker thread: tokenizing a long prompt takes long, and the event loop must keep serving streams.
     prompts = await run_in_threadpool(completion_prompts, engine.tokenizer, req.prompt, vocab)
     # The longest prompt decides the context check; each prompt gets the same max_tokens.

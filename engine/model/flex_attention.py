@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.model.attention import AttentionMetadata, SdpaBackend, SdpaPlan
 from engine.model.transfer import index_tensor, to_device
+
+if TYPE_CHECKING:  # imported lazily at run time (see FlexBackend.__init__)
+    from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +126,7 @@ class FlexPlan:
     requests: list[tuple[int, int, int, list[int]]]  # (first_pos, query_len, context_len, table) per request
     is_causal: bool
     meta: AttentionMetadata  # kept for the reference fallback
-    block_masks: dict[int | None, object] = field(default_factory=dict)
+    block_masks: dict[int | None, BlockMask] = field(default_factory=dict)
     fallback: SdpaPlan | None = None
 
 
@@ -163,7 +167,7 @@ class FlexBackend:
                 dynamo_config.fail_on_recompile_limit_hit = True
         # fullgraph: a graph break would run flex eagerly, which densifies the whole cache.
         self._flex = torch.compile(flex_attention, fullgraph=True) if use_compile else flex_attention
-        self._kernel_options = None
+        self._kernel_options: FlexKernelOptions | None = None
         if device.type == "cuda":
             tile = cuda_kv_tile(block_size)
             if tile is None:
@@ -303,7 +307,7 @@ class FlexBackend:
                 plan.fallback = self.sdpa.plan(plan.meta)
             return self.sdpa.forward(q, k, v, k_cache, v_cache, plan.fallback, sliding_window, scale)
         out = self.sdpa.forward(q, k, v, k_cache, v_cache, plan.sdpa, sliding_window, scale)
-        if plan.q_src is None:
+        if plan.q_src is None or plan.out_rows is None or plan.out_tokens is None:  # all set or none
             return out
         try:
             o = self._paged(q, k_cache, v_cache, plan, sliding_window, scale)
@@ -333,6 +337,7 @@ class FlexBackend:
         if window not in plan.block_masks:
             plan.block_masks[window] = self._block_mask(plan, window)
         _, _, kv_heads, dim = k_cache.shape
+        assert plan.q_src is not None  # forward() calls this only for a plan with paged rows
         qf = q.index_select(0, plan.q_src).transpose(0, 1)[None]  # [1, heads, rows, dim]
         kf = k_cache.view(1, -1, kv_heads, dim).transpose(1, 2)  # [1, kv_heads, slots, dim]: a view
         vf = v_cache.view(1, -1, kv_heads, dim).transpose(1, 2)

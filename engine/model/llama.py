@@ -145,6 +145,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the residual stream
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        plan: object,
+        slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [T, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), rope, backend, plan, slot_mapping, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions, meta, k_caches, v_caches, logits_indices) -> float32 logits."""
@@ -178,17 +191,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(
-                layer.input_layernorm(h),
-                rope,
-                backend,
-                plan,
-                meta.slot_mapping,
-                k_caches[i],
-                v_caches[i],
-            )
-            h = h + attn
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer(h, rope, backend, plan, meta.slot_mapping, k_caches[i], v_caches[i])
         # Only the rows that sample (or ask for prompt logprobs) go through the norm and the vocab matmul.
         h = self.norm(h.index_select(0, logits_indices))
         if self.packed_lm_head is not None:

@@ -96,8 +96,8 @@ def load_model(
                     raise ValueError(f"unexpected tensor {name!r} in {path.name} for {cfg.architecture}")
                 param, tensor = params[ours], f.get_tensor(name)
                 dest = param.data
-                if shard is not None:
-                    sizes = shard_sizes[_fused_module(ours)]
+                if shard is not None and (module := _fused_module(ours)) is not None:
+                    sizes = shard_sizes[module]
                     dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
                 if dest.shape != tensor.shape:
                     raise ValueError(
