@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from engine.output_processor import OutputProcessor, error_output
-from engine.outputs import RequestOutput, RunnerOutput
+from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.structured_output import CompiledGrammar, GrammarState
 from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner

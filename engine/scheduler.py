@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.errors import ContextLengthError
 from engine.fair_queue import FairQueue
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.request import Request, RequestStatus
@@ -89,10 +90,10 @@ class Scheduler:
             completion = (
                 f"{max_tokens} in the completion" if max_tokens is not None else "at least 1 to generate"
             )
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({num_prompt_tokens} in the prompt, {completion}). Please reduce the length "
-                "of the prompt or the completion."
+            raise ContextLengthError(
+                self.max_model_len,
+                f"you requested {wanted} tokens ({num_prompt_tokens} in the prompt, {completion}). Please "
+                "reduce the length of the prompt or the completion.",
             )
         if num_prompt_tokens > self.kv_capacity:
             raise ValueError(

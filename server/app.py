@@ -13,14 +13,14 @@ from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
 from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
 from server.engine_client import EngineClient
-from server.errors import SERVER_ERROR, APIError, bad_request, error_body, install_error_handlers
+from server.errors import APIError, bad_request, engine_not_running, install_error_handlers
 from server.generation import ClientDisconnected
 from server.limits import RequestLimits
 from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
@@ -99,7 +99,7 @@ def create_app(
 
     def require_healthy() -> None:
         if not engine.is_healthy():
-            raise APIError("The engine is not running.", status=503, type=SERVER_ERROR, code="engine_dead")
+            raise engine_not_running()
 
     @app.post("/v1/chat/completions", operation_id="createChatCompletion", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -133,8 +133,7 @@ def create_app(
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)
-        body = error_body("The engine is not running.", type=SERVER_ERROR, code="engine_dead")
-        return JSONResponse(body, status_code=503)
+        return engine_not_running().response()
 
     # HEAD too: load balancers probe with it (the server sends the GET answer's status and headers only).
     app.head("/health", include_in_schema=False)(health)

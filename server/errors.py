@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.errors import ContextLengthError
+
 logger = logging.getLogger("brine.server")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -103,10 +105,24 @@ def _loc(error: Any) -> list[str]:
     return loc
 
 
+def context_length_exceeded(exc: ContextLengthError) -> APIError:
+    """The one mapping of `ContextLengthError`, raised by the server's own check or by the engine's."""
+    return bad_request(str(exc), exc.param, "context_length_exceeded")
+
+
+def engine_not_running() -> APIError:
+    """503 for every route that needs the engine once it has stopped (`/health` included)."""
+    return APIError("The engine is not running.", status=503, type=SERVER_ERROR, code="engine_dead")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ContextLengthError)
+    async def _context_length(_: Request, exc: ContextLengthError) -> JSONResponse:
+        return context_length_exceeded(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -20,13 +20,20 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.async_engine import EngineDeadError
+from engine.errors import ContextLengthError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputError
 from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient
-from server.errors import SERVER_ERROR, APIError, bad_request, error_body
-from server.params import CONTEXT_LENGTH_CODE
+from server.errors import (
+    SERVER_ERROR,
+    APIError,
+    bad_request,
+    context_length_exceeded,
+    engine_not_running,
+    error_body,
+)
 
 logger = logging.getLogger("brine.server")
 T = TypeVar("T")
@@ -41,13 +48,13 @@ def engine_error(exc: BaseException) -> APIError:
     """An exception from the engine as the error the client sees. The engine raises ValueError, before the
     first output, for requests that can never run: those are the client's to fix."""
     if isinstance(exc, EngineDeadError):
-        return APIError("The engine is not running.", status=503, type=SERVER_ERROR, code="engine_dead")
+        return engine_not_running()
     if isinstance(exc, StructuredOutputError):
         return bad_request(str(exc), exc.param)
+    if isinstance(exc, ContextLengthError):
+        return context_length_exceeded(exc)
     if isinstance(exc, ValueError):
-        message = str(exc) or "invalid request"
-        code = CONTEXT_LENGTH_CODE if "maximum context length" in message else None
-        return bad_request(message, code=code)
+        return bad_request(str(exc) or "invalid request")
     logger.error("engine failed while serving a request: %s", type(exc).__name__, exc_info=exc)
     return APIError("The engine failed while generating.", status=500, type=SERVER_ERROR)
 

@@ -1,18 +1,18 @@
 """From a validated request to what the engine needs: the model check, rules spanning several fields,
 the context-length check, and the `SamplingParams`.
 
-Everything here raises `APIError` (400/404) so that no user input reaches the engine's own `validate()`
+Everything here raises `APIError` (400/404), or `ContextLengthError` (mapped to its 400 by
+`server.errors`), so that no user input reaches the engine's own `validate()`
 unchecked; that `ValueError` is still mapped to a 400 as a last line of defence.
 """
 
 from __future__ import annotations
 
+from engine.errors import ContextLengthError
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 from server.errors import APIError, bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
-
-CONTEXT_LENGTH_CODE = "context_length_exceeded"
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -61,27 +61,25 @@ def _check_shared(req: ChatCompletionRequest | CompletionRequest, vocab_size: in
 def resolve_max_tokens(
     requested: int | None, param: str, num_prompt_tokens: int, max_model_len: int, prompt_param: str
 ) -> int:
-    """The number of tokens to generate; raises `context_length_exceeded` when prompt + output cannot fit."""
+    """The number of tokens to generate; raises `ContextLengthError` when prompt + output cannot fit."""
     if requested is not None and requested < 1:
         raise bad_request(f"{param} must be at least 1.", param)
     if num_prompt_tokens == 0:
         raise bad_request("The prompt must contain at least one token.", prompt_param)
     if requested is None:
         if num_prompt_tokens >= max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-                f"{num_prompt_tokens} input tokens, which leaves no room for output.",
+            raise ContextLengthError(
+                max_model_len,
+                f"your request has {num_prompt_tokens} input tokens, which leaves no room for output.",
                 prompt_param,
-                CONTEXT_LENGTH_CODE,
             )
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + requested > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the input, {requested} in the "
-            f"completion). Please reduce the length of the input or of {param}.",
+        raise ContextLengthError(
+            max_model_len,
+            f"you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the input, "
+            f"{requested} in the completion). Please reduce the length of the input or of {param}.",
             prompt_param,
-            CONTEXT_LENGTH_CODE,
         )
     return requested
 

@@ -3,7 +3,7 @@
 What it keeps faithful to the agreed AsyncEngine contract:
 - `generate()` is an async generator of `RequestOutput` deltas (one per step, every unfinished sequence of
   the request's n), the last with finished=True; ValueError before the first yield when prompt + max_tokens
-  exceeds max_model_len ("maximum context length") or the prompt can never fit the KV cache.
+  exceeds max_model_len (`ContextLengthError`) or the prompt can never fit the KV cache.
 - Stop strings are removed from the text (partial matches held back), stop token ids / EOS end a sequence
   (respecting min_tokens and ignore_eos), max_tokens gives finish_reason LENGTH.
 - KV accounting: a request holds ceil(tokens / block_size) blocks while it runs; full blocks are cached
@@ -26,6 +26,7 @@ from typing import Any
 from fake_tokenizer import EOS_ID, FakeTokenizer
 
 from engine.async_engine import EngineDeadError
+from engine.errors import ContextLengthError
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace, Owner
@@ -106,10 +107,7 @@ class FakeEngine:
         prompt = list(prompt_token_ids)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt))
         if len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the request needs "
-                f"{len(prompt) + max_tokens}."
-            )
+            raise ContextLengthError(self.max_model_len, f"the request needs {len(prompt) + max_tokens}.")
         if -(-len(prompt) // self.block_size) > self.num_blocks:
             raise ValueError("the prompt can never fit the KV cache")
         rid = request_id or uuid.uuid4().hex

@@ -1,0 +1,13 @@
+"""Errors the engine raises that callers tell apart by type, not by the words of their message."""
+
+from __future__ import annotations
+
+
+class ContextLengthError(ValueError):
+    """Prompt plus output cannot fit the model's context (`max_model_len`): the client's to fix, a 400 with
+    OpenAI's code `context_length_exceeded`. A ValueError, so callers that only know "this request can never
+    run" keep treating it as one. `param`: the request field to name, where the raiser knows it."""
+
+    def __init__(self, max_model_len: int, detail: str, param: str | None = None) -> None:
+        super().__init__(f"This model's maximum context length is {max_model_len} tokens. However, {detail}")
+        self.param = param
