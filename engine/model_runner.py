@@ -1,6 +1,6 @@
 """ModelRunner: a SchedulerOutput in, one token per sampling request out.
 
-Owns the model, the KV tensors (`kv_cache.kv_store.KVStore`) and the sampler. Per step it builds host lists
+Owns the model, the KV tensors (`engine.kv_store.KVStore`) and the sampler. Per step it builds host lists
 once, sends them with one host->device copy (input ids, positions, slots and logits rows share one int64
 tensor), runs the model, samples, and brings every result back with one device->host sync (tokens and
 logprobs packed into one float64 tensor: token ids are exact in float64).
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_store import KVStore
 from engine.model.attention import AttentionMetadata
 from engine.model.device import resolve_device, resolve_dtype, select_backend
 from engine.model.loader import load_model
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.sampler import LogprobsOut, Sampler, SamplerOutput, token_logprobs
-from kv_cache.kv_store import KVStore
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
 
@@ -59,17 +59,13 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = cfg.eos_token_ids
         self.block_size = block_size
+        shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         if num_blocks is None:
             budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_budget()
-            num_blocks = KVStore.num_blocks_for_budget(
-                budget, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
-            )
-            if num_blocks < 1:
-                raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_size} tokens")
-        self.num_blocks = num_blocks
-        self.kv = KVStore(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
-        )
+            self.kv = KVStore.from_budget(budget, *shape)
+        else:
+            self.kv = KVStore(cfg.num_layers, num_blocks, *shape[1:])
+        self.num_blocks = num_blocks = self.kv.num_blocks
         # Flex pads each request's queries to 16 rows: bound the padded rows of the largest step.
         max_rows = max_num_batched_tokens + 16 * max_num_seqs
         self.model.attn_backend = select_backend(

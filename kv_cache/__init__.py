@@ -1,7 +1,7 @@
 """kv_cache: prefix-cached paged KV block accounting (torch-free).
 
-The device tensors live in `kv_cache.kv_store`, which imports torch; import it explicitly. Nothing here may
-import it, so that the scheduler and its tests run without torch.
+Nothing here imports torch, so that the scheduler and its tests run without it; the device tensors that hold
+the KV pages live with the runner, in `engine.kv_store`.
 """
 
 from kv_cache.block_pool import BlockPool

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kv_cache.hashing import HASH_ALGOS
+from server.memory_size import parse_memory
 
 logger = logging.getLogger("brine.serve")
 
@@ -26,8 +27,6 @@ _DESCRIPTION = (
 
 
 def _memory(text: str) -> int:
-    from kv_cache.kv_store import parse_memory  # imports torch: only when the flag is given
-
     try:
         return parse_memory(text)
     except ValueError as exc:

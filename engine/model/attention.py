@@ -1,7 +1,7 @@
 """Paged attention: the per-step metadata, the backend interface, and the reference SDPA backend.
 
 The model computes q/k/v for every token of the flat batch, writes every new token's k/v into its slot
-(`kv_cache.kv_store.write_slots`, all tokens of the step before any attention in that layer), then asks a backend to attend each
+(`engine.kv_store.write_slots`, all tokens of the step before any attention in that layer), then asks a backend to attend each
 request's queries over its whole context through its block table. A backend turns the step's
 `AttentionMetadata` into a plan once per step (`plan`), and reuses it in every layer (`forward`).
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kv_store import write_slots
 from engine.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
 from engine.model.config import ModelConfig
-from kv_cache.kv_store import write_slots
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""KVStore: tensor layout, sizing from a budget, write-by-slot, and parse_memory."""
+"""KVStore: tensor layout, sizing from a budget, and write_slots (write by slot)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from kv_cache.kv_store import KVStore, parse_memory
+from engine.kv_store import KVStore, write_slots
 
 
 def test_layout_and_zero_init() -> None:
@@ -32,8 +32,8 @@ def test_num_blocks_for_budget() -> None:
 
 
 def test_from_budget_logs_blocks_and_tokens(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="kv_cache.kv_store"):
-        store = KVStore.from_budget(parse_memory("64KiB"), 2, 16, 4, 8, torch.float16, "cpu")
+    with caplog.at_level(logging.INFO, logger="engine.kv_store"):
+        store = KVStore.from_budget(64 * 2**10, 2, 16, 4, 8, torch.float16, "cpu")
     assert store.num_blocks == 16
     assert "16 blocks x 16 tokens = 256 tokens" in caplog.text
     with pytest.raises(ValueError, match="below one block"):
@@ -51,7 +51,7 @@ def test_write_by_slot(cache_dtype: torch.dtype, slot_dtype: torch.dtype) -> Non
     slots = torch.tensor([b * bs + o for b, o in pairs], dtype=slot_dtype)
     k = torch.randn(len(pairs), heads, dim, generator=gen)
     v = torch.randn(len(pairs), heads, dim, generator=gen)
-    store.write(1, k, v, slots)
+    write_slots(store.k_caches[1], store.v_caches[1], k, v, slots)
     expect_k = torch.zeros(6, bs, heads, dim, dtype=cache_dtype)
     expect_v = torch.zeros(6, bs, heads, dim, dtype=cache_dtype)
     for i, (b, o) in enumerate(pairs):
@@ -65,34 +65,5 @@ def test_write_by_slot(cache_dtype: torch.dtype, slot_dtype: torch.dtype) -> Non
 def test_write_on_cuda() -> None:
     store = KVStore(1, 4, 4, 2, 8, torch.bfloat16, "cuda")
     k = torch.randn(3, 2, 8, device="cuda", dtype=torch.bfloat16)
-    store.write(0, k, -k, torch.tensor([15, 0, 6], device="cuda"))
+    write_slots(store.k_caches[0], store.v_caches[0], k, -k, torch.tensor([15, 0, 6], device="cuda"))
     assert torch.equal(store.k_caches[0][3, 3], k[0]) and torch.equal(store.v_caches[0][1, 2], -k[2])
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("2GiB", 2 * 2**30),
-        ("512MiB", 512 * 2**20),
-        ("1.5GB", 1_500_000_000),
-        ("1000000", 1_000_000),
-        ("4 gib", 4 * 2**30),
-        ("8Gi", 8 * 2**30),
-        ("1.5KiB", 1536),
-        ("10kb", 10_000),
-        ("0.1GB", 100_000_000),
-        ("3B", 3),
-        (" 7TB ", 7 * 10**12),
-        (".5MiB", 2**19),
-    ],
-)
-def test_parse_memory(text: str, expected: int) -> None:
-    assert parse_memory(text) == expected
-
-
-@pytest.mark.parametrize(
-    "text", ["", "GiB", "-1GiB", "2 GiBs", "1e9", "2 G B", "nan", "inf", "1,000", "2Gb!"]
-)
-def test_parse_memory_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
-        parse_memory(text)

@@ -1,51 +1,19 @@
-"""KVStore: the device tensors that hold the KV pages, and how many pages a memory budget buys.
+"""KVStore: the device tensors that hold the KV pages, how many pages a memory budget buys, and the one
+function that writes them (`write_slots`, called by the model's attention layers).
 
-The only kv_cache module that imports torch (kv_cache/__init__.py does not import it). Layout per layer:
-`k_caches[layer]`, `v_caches[layer]`: [num_blocks, block_size, num_kv_heads, head_dim]. Token `offset` of block
-`block_id` lives at slot `block_id * block_size + offset`, i.e. row `slot` of the flat view
-[num_blocks * block_size, num_kv_heads, head_dim], which is how write() addresses it.
+Here, beside the runner that owns it, rather than in `kv_cache/`, which is block accounting only and never
+imports torch. Layout per layer: `k_caches[layer]`, `v_caches[layer]`: [num_blocks, block_size, num_kv_heads,
+head_dim]. Token `offset` of block `block_id` lives at slot `block_id * block_size + offset`, i.e. row `slot`
+of the flat view [num_blocks * block_size, num_kv_heads, head_dim], which is how `write_slots` addresses it.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from decimal import Decimal, InvalidOperation
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
-_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-
-
-def parse_memory(text: str) -> int:
-    """Bytes in "2GiB", "512MiB", "1.5GB", "1000000" (units are case-insensitive: B, KB/MB/GB/TB powers of
-    1000, KiB/MiB/GiB/TiB or Ki/Mi/Gi/Ti powers of 1024). Fractions of a byte are dropped. ValueError otherwise."""
-    m = _MEMORY_RE.fullmatch(text) if isinstance(text, str) else None
-    unit = _UNITS.get(m.group(2).lower()) if m else None
-    if m is None or unit is None:
-        raise ValueError(f"invalid memory size {text!r}: expected e.g. '2GiB', '512MiB', '1.5GB' or bytes")
-    try:
-        return int(Decimal(m.group(1)) * unit)
-    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
-        raise ValueError(f"invalid memory size {text!r}") from e
 
 
 def _bytes_per_block(
@@ -130,10 +98,6 @@ class KVStore:
             need = _bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
             raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({need} bytes)")
         return cls(num_layers, n, block_size, num_kv_heads, head_dim, dtype, device)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store K/V of `num_tokens` tokens of `layer` into their slots (see `write_slots`)."""
-        write_slots(self.k_caches[layer], self.v_caches[layer], k, v, slot_mapping)
 
 
 def write_slots(
