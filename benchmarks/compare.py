@@ -49,7 +49,8 @@ from benchmarks.latency_bench import markdown as latency_markdown
 from benchmarks.latency_bench import measure as latency_measure
 from benchmarks.latency_bench import ratios as latency_ratios
 from benchmarks.report import charts, markdown, ratios, summarize
-from benchmarks.serve_bench import WorkloadResult, run_workload, to_json
+from benchmarks.results import WorkloadResult, to_json
+from benchmarks.serve_bench import run_workload
 from benchmarks.workloads import TENANT_WORKLOADS, build, write_server_files
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,7 +35,8 @@ import httpx
 
 from benchmarks.compare import ServerSpec, free_port, stop, wait_ready
 from benchmarks.report import fmt, percentile
-from benchmarks.serve_bench import WorkloadResult, run_workload
+from benchmarks.results import WorkloadResult
+from benchmarks.serve_bench import run_workload
 from benchmarks.workloads import replicas
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.serve_bench import WorkloadResult
+from benchmarks.results import WorkloadResult
 
 # compare.py names a server's caching-off twin "<name>-no-cache": the "off" side of its on / off ratios.
 NO_CACHE_SUFFIX = "-no-cache"

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+class ModelNotFoundError(ValueError):
+    """The name does not lead to a model we can load locally; the message says what was tried. Raised while
+    resolving (`engine.model.files`) and while converting a GGUF (`engine.model.gguf_convert`)."""
+
+
 class ContextLengthError(ValueError):
     """Prompt plus output cannot fit the model's context (`max_model_len`): the client's to fix, a 400 with
     OpenAI's code `context_length_exceeded`. A ValueError, so callers that only know "this request can never

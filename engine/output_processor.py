@@ -116,10 +116,7 @@ class OutputProcessor:
             elif stream.add_token(token) is not None:
                 # A stop string wins over "length" when the last allowed token completes it (as in vLLM).
                 req.stop_reason = stream.stopped_by
-                if req.is_finished:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, req.error)
         if req.num_cached_tokens >= 0 and index == 0:
             group.num_cached_tokens = req.num_cached_tokens
         finished = req.is_finished
@@ -164,8 +161,7 @@ class OutputProcessor:
         for i, child in enumerate(group.children):
             if i in group.finished_children:
                 continue
-            self.scheduler.finish_requests([child.request_id], status, error=error)
-            child.status, child.error = status, error  # also when the scheduler had already let it go
+            self.scheduler.finish(child, status, error)
             self._mark_child_finished(group, i)
             completions.append(
                 CompletionOutput(

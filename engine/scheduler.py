@@ -295,6 +295,14 @@ class Scheduler:
             done.append(req)
         return done
 
+    def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Finishes one request now (`finish_requests`) or, when the scheduler has already let it go, says how
+        it ended after all: a stop string completed by the last allowed token turns "length" into "stop", as
+        in vLLM; an abort or failure may reach a sequence that had just finished. Either way `status` has one
+        writer, the scheduler."""
+        if not self.finish_requests([req.request_id], status, error):
+            req.status, req.error = status, error
+
     def _preempt(self, req: Request) -> None:
         """Frees a running request's blocks (the caller took it out of `running`) and requeues it."""
         self._drop_running(req)

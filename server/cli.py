@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from kv_cache.hashing import HASH_ALGOS
 from server.memory_size import parse_memory
@@ -87,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--num-kv-blocks",
+        dest="num_blocks",  # EngineConfig's field: server.serve.engine_config maps flags by name
         type=_positive,
         default=None,
         metavar="N",
@@ -272,42 +272,6 @@ def api_keys(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str
     if environ.get("BRINE_API_KEY"):
         keys.append(environ["BRINE_API_KEY"])
     return keys
-
-
-def engine_config(args: argparse.Namespace, stat_loggers: list[Any]) -> Any:
-    from engine.async_engine import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-        kv_cache_memory=args.kv_cache_memory,
-        num_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        batch_invariant=args.batch_invariant,
-        kv_events_endpoint=args.kv_events_endpoint,
-        threads=args.threads,
-        stat_loggers=stat_loggers,
-    )
-
-
-def request_limits(args: argparse.Namespace) -> Any:
-    from server.limits import RequestLimits
-
-    return RequestLimits(
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_chars=args.max_stop_string_chars,
-        max_stop_token_ids=args.max_stop_token_ids,
-        max_logit_bias=args.max_logit_bias,
-        max_prompts=args.max_prompts_per_request,
-        max_seqs_per_request=args.max_seqs_per_request,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

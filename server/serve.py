@@ -11,7 +11,13 @@ import argparse
 import copy
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # heavy imports (torch) happen inside serve() only
+    from engine.async_engine import AsyncEngine, EngineConfig
+    from metrics.stats import StatLogger
+    from server.limits import RequestLimits
+    from server.tenancy import TenancyConfig
 
 logger = logging.getLogger("brine.serve")
 
@@ -37,7 +43,31 @@ def log_config() -> dict[str, Any]:
     return config
 
 
-def _kv_summary(engine: Any) -> str:
+def engine_config(args: argparse.Namespace, stat_loggers: list[StatLogger]) -> EngineConfig:
+    """Every `EngineConfig` field from the flag of the same name (the parser gives each engine flag its
+    field's name as `dest`): a new engine flag is its parser line and its field, nothing here."""
+    from engine.async_engine import EngineConfig
+
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)
+    }
+    return EngineConfig(**values, stat_loggers=stat_loggers)
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    from server.limits import RequestLimits
+
+    return RequestLimits(
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_logit_bias=args.max_logit_bias,
+        max_prompts=args.max_prompts_per_request,
+        max_seqs_per_request=args.max_seqs_per_request,
+    )
+
+
+def _kv_summary(engine: AsyncEngine) -> str:
     tokens = engine.num_blocks * engine.block_size
     return f"KV cache: {engine.num_blocks} blocks x {engine.block_size} tokens = {tokens} tokens"
 
@@ -50,7 +80,7 @@ def _prefix_caching_summary(requested: bool, enabled: bool) -> str:
     return "prefix caching: off (--no-enable-prefix-caching)"
 
 
-def _tenancy(args: argparse.Namespace, api_keys: list[str]) -> Any:
+def _tenancy(args: argparse.Namespace, api_keys: list[str]) -> TenancyConfig:
     """The TenancyConfig the flags ask for; ValueError (a message naming the file and line) if unusable."""
     from server.tenancy import TenancyConfig
     from server.tenants import key_hash, load_tenants
@@ -68,11 +98,11 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncEngine
-    from engine.model.files import ModelNotFoundError, resolve_model
+    from engine.errors import ModelNotFoundError
+    from engine.model.files import resolve_model
     from metrics.log_stats import LoggingStatLogger
     from metrics.prometheus import PrometheusStatLogger
     from server.app import create_app
-    from server.cli import engine_config, request_limits
     from server.public_prefix import read_public_prefix, render_public_prefix
 
     # Configuration files first: a bad line refuses to start before the (slow) model load.

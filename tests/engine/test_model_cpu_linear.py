@@ -100,7 +100,8 @@ def test_the_probe_warns_where_no_padding_helps(caplog):
 @pytest.mark.slow
 @needs_packing
 def test_default_model_packed_logits_match_unpacked(paged):
-    from engine.model.files import ModelNotFoundError, resolve_model
+    from engine.errors import ModelNotFoundError
+    from engine.model.files import resolve_model
 
     try:
         path = resolve_model(None).path

@@ -262,7 +262,8 @@ def test_flex_equals_sdpa_reference_on_random_batches(device, tiny_model, paged,
 def test_cuda_runner_default_model_answers_paris():
     from transformers import AutoTokenizer
 
-    from engine.model.files import ModelNotFoundError, resolve_model
+    from engine.errors import ModelNotFoundError
+    from engine.model.files import resolve_model
     from engine.model_runner import ModelRunner
     from engine.outputs import ScheduledRequest, SchedulerOutput
     from engine.sampling_params import SamplingParams

@@ -274,7 +274,8 @@ def test_finished_requests_and_bad_tokens(runner_for):
 def test_default_model_answers_paris_and_matches_transformers_generate():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model.files import ModelNotFoundError, resolve_model
+    from engine.errors import ModelNotFoundError
+    from engine.model.files import resolve_model
 
     try:
         path = resolve_model(None).path

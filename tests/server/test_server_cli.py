@@ -13,12 +13,12 @@ from fastapi.testclient import TestClient
 import engine.model.files as model_files
 from engine.async_engine import AsyncEngine, EngineConfig
 from metrics.prometheus import PrometheusStatLogger
-from server import cli
+from server import cli, serve
 
 
 def _config(*argv: str, env: dict[str, str] | None = None) -> tuple[EngineConfig, list[str]]:
     args = cli.build_parser().parse_args(["serve", *argv])
-    return cli.engine_config(args, []), cli.api_keys(args, env or {})
+    return serve.engine_config(args, []), cli.api_keys(args, env or {})
 
 
 def test_defaults_match_engine_config() -> None:

@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 from server_helpers import MODEL, assert_error, chat_body, completion_body
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from server import cli
+from server import cli, serve
 from server.app import create_app
 from server.limits import RequestLimits
 from server.serve import DropQueryString
@@ -98,12 +98,12 @@ def test_too_many_prompts_are_refused_before_tokenizing(
 
 def test_cli_flags_feed_the_limits_and_default_to_request_limits() -> None:
     args = cli.build_parser().parse_args(["serve"])
-    assert cli.request_limits(args) == RequestLimits()
+    assert serve.request_limits(args) == RequestLimits()
     args = cli.build_parser().parse_args(
         ["serve", "--max-stop-strings", "2", "--max-stop-string-chars", "5", "--max-stop-token-ids", "3",
          "--max-logit-bias", "2", "--max-prompts-per-request", "3", "--max-seqs-per-request", "4"]
     )  # fmt: skip
-    assert cli.request_limits(args) == SMALL
+    assert serve.request_limits(args) == SMALL
 
 
 # ---- lone surrogates and untokenizable text -----------------------------------------------------------------
