@@ -39,8 +39,6 @@ class Runner(Protocol):
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
-    def drop_request(self, request_id: str) -> None: ...
-
 
 class Detokenizes(Protocol):
     eos_token_ids: frozenset[int]
@@ -169,7 +167,7 @@ class EngineCore:
         return n
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_ids()
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_unreported_finishes()
 
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
@@ -178,12 +176,7 @@ class EngineCore:
             req = self.scheduler.requests[sr.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        if sched_out.scheduled:
-            result = self.runner.execute(sched_out)
-        else:  # nothing to run: still let the runner forget finished requests
-            for request_id in sched_out.finished_request_ids:
-                self.runner.drop_request(request_id)
-            result = RunnerOutput({})
+        result = self.runner.execute(sched_out) if sched_out.scheduled else RunnerOutput({})
         updates = self.scheduler.update(sched_out, result)
         iteration = IterationStats()
         for sr in sched_out.scheduled:  # prompt tokens computed (hits and recomputed outputs excluded)

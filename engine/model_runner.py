@@ -17,14 +17,12 @@ from pathlib import Path
 import torch
 
 from engine.kv_store import KVStore
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, slot_ids
 from engine.model.device import resolve_device, resolve_dtype, select_backend
 from engine.model.loader import load_model
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.sampler import LogprobsOut, Sampler, SamplerOutput, token_logprobs
-
-__all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +95,8 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         return max(0, int(free * CUDA_KV_FRACTION) - CUDA_HEADROOM_BYTES)
 
-    def drop_request(self, request_id: str) -> None:
-        """Forget per-request state. There is none: seeded sampling is derived from (seed, output index)."""
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        for request_id in out.finished_request_ids:
-            self.drop_request(request_id)
         if not out.scheduled:
             return RunnerOutput({})
         reqs = out.scheduled
@@ -124,8 +117,7 @@ class ModelRunner:
             row0 = len(input_ids)
             input_ids += r.new_token_ids
             positions += range(start, ctx)
-            table = r.block_ids
-            slots += [table[p // bs] * bs + p % bs for p in range(start, ctx)]
+            slots += slot_ids(r.block_ids, start, ctx, bs)
             if r.sample:
                 sample_rows.append(row0 + n - 1)
             if r.sampling_params.prompt_logprobs is not None:

@@ -57,8 +57,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int  # sum of len(new_token_ids)
-    # Requests finished or aborted since the previous step: the runner drops any per-request state.
-    finished_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

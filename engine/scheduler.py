@@ -76,8 +76,10 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._num_running: Counter[str] = Counter()  # owner -> its running sequences
         self.requests: dict[str, Request] = {}
-        self._finished_ids: list[str] = []  # for the runner, sent with the next schedule()
         self.num_preemptions = 0  # since the last take_num_preemptions()
+        # A request finished since the last schedule() (an abort between steps, a stop string): the engine
+        # steps once more, so that the stat loggers see the freed blocks and the finished request.
+        self._finished_since_schedule = False
 
     # ---- admission -------------------------------------------------------------------------------------
 
@@ -164,8 +166,8 @@ class Scheduler:
             given[req.owner] += num_new
             budget -= num_new
         budget = self._top_up(scheduled, cut, budget)
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, finished)
+        self._finished_since_schedule = False
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget)
 
     # ---- fairness --------------------------------------------------------------------------------------
 
@@ -291,7 +293,7 @@ class Scheduler:
                 self.waiting.remove(req)
             req.status = status
             req.error = error
-            self._finished_ids.append(request_id)
+            self._finished_since_schedule = True
             done.append(req)
         return done
 
@@ -352,5 +354,5 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def has_finished_ids(self) -> bool:
-        return bool(self._finished_ids)
+    def has_unreported_finishes(self) -> bool:
+        return self._finished_since_schedule

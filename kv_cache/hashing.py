@@ -8,11 +8,11 @@ by every later block.
 
 Extra keys are tagged tuples, so that keys of different kinds can never collide with each other: the
 request's namespace (`kv_cache.namespace.CacheNamespace.keys()`: `("tenant", id)`, `("gateway", value)`,
-`("cache_salt", salt)`) on its first private block only, `("lora", name)` (every block) and
-`("mm", identifier, offset)` (every block that overlaps a multimodal item whose placeholder tokens start at
-sequence position `offset`). The first private block is block 0, unless the prompt starts with a declared
-public prefix: then its `num_public_blocks` full blocks carry no namespace (every namespace shares them) and
-the namespace goes into the block right after them.
+`("cache_salt", salt)`) on its first private block only; every other block has none (Brine serves no LoRA
+adapters and no multimodal inputs, so there are no keys of those kinds; a new kind is one more tag). The first
+private block is block 0, unless the prompt starts with a declared public prefix: then its
+`num_public_blocks` full blocks carry no namespace (every namespace shares them) and the namespace goes into the
+block right after them.
 
 `BlockHash` is always `bytes`: 32 bytes for sha256, 16 bytes (xxh3-128) for xxhash.
 
@@ -172,8 +172,6 @@ class BlockHasher:
         "namespace",
         "num_public_blocks",
         "_first_keys",
-        "_later_keys",
-        "_mm_items",
         "_digest",
         "_pack",
         "_first_enc",
@@ -188,13 +186,10 @@ class BlockHasher:
         namespace: CacheNamespace | None = None,
         num_public_blocks: int = 0,
         cache_salt: str | None = None,
-        lora_name: str | None = None,
-        mm_items: Sequence[tuple[str, int, int]] = (),
         none_hash: BlockHash | None = None,
     ) -> None:
         """`namespace`: the request's cache namespace; `cache_salt` is shorthand for a namespace holding only
         that salt (give one or the other). `num_public_blocks`: leading blocks hashed without the namespace.
-        `mm_items`: (identifier, offset, length) of each multimodal item's placeholder tokens.
         `none_hash`: block 0's parent; a fresh init_none_hash(hash_fn) when not given."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -211,31 +206,17 @@ class BlockHasher:
         self.none_hash = init_none_hash(hash_fn) if none_hash is None else none_hash
         if not isinstance(self.none_hash, bytes):
             raise TypeError(f"none_hash must be bytes, got {type(self.none_hash).__name__}")
-        later: list[tuple[object, ...]] = [("lora", lora_name)] if lora_name is not None else []
-        first = list(self.namespace.keys()) + later
-        self._first_keys: ExtraKeys | None = tuple(first) or None
-        self._later_keys: ExtraKeys | None = tuple(later) or None
-        self._mm_items = tuple(mm_items)
+        self._first_keys: ExtraKeys | None = tuple(self.namespace.keys()) or None
         # Fast path pieces: encode((parent, tokens, keys)) ==
         #   b"t" LEN(3) | b"b" LEN(len(parent)) parent | b"i" LEN(block_size) int64s | encode(keys)
         self._digest = _raw_digest(hash_fn)
         self._pack = struct.Struct(f"<{block_size}q").pack
         self._first_enc = encode(self._first_keys)
-        self._later_enc = encode(self._later_keys)
+        self._later_enc = encode(None)
 
     def extra_keys(self, block_index: int) -> ExtraKeys | None:
         """The typed extra keys of block `block_index` (None when it has none)."""
-        keys = self._first_keys if block_index == self.num_public_blocks else self._later_keys
-        if not self._mm_items:
-            return keys
-        start = block_index * self.block_size
-        end = start + self.block_size
-        mm = [
-            ("mm", ident, off) for ident, off, length in self._mm_items if off < end and off + length > start
-        ]
-        if not mm:
-            return keys
-        return (keys or ()) + tuple(mm)
+        return self._first_keys if block_index == self.num_public_blocks else None
 
     def extend(self, block_hashes: list[BlockHash], all_token_ids: Sequence[int]) -> None:
         """Append to `block_hashes` the hash of every block of `all_token_ids` that became full since the last
@@ -247,7 +228,7 @@ class BlockHasher:
             return
         parent = block_hashes[start - 1] if start else self.none_hash
         digest = self._digest
-        if digest is None or self._mm_items:
+        if digest is None:
             hash_fn = self.hash_fn
             for i in range(start, end):
                 parent = hash_fn((parent, all_token_ids[i * bs : (i + 1) * bs], self.extra_keys(i)))

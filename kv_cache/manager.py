@@ -93,8 +93,6 @@ class KVCacheManager:
         self,
         namespace: CacheNamespace | None = None,
         prompt_token_ids: Sequence[int] = (),
-        *,
-        lora_name: str | None = None,
     ) -> BlockHasher | None:
         """The hasher a new request keeps its block_hashes with; None when caching is off (nothing is hashed).
 
@@ -108,7 +106,6 @@ class KVCacheManager:
             self.hash_fn,
             namespace=namespace,
             num_public_blocks=public // self.block_size,
-            lora_name=lora_name,
             none_hash=self.none_hash,
         )
 

@@ -44,27 +44,9 @@ class AttentionMetadata:
         return self.query_starts[-1]
 
 
-def build_metadata(
-    num_computed: list[int],
-    query_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    is_causal: bool = True,
-) -> AttentionMetadata:
-    """Metadata for requests whose new tokens start at `num_computed[i]` (one host->device copy)."""
-    slots: list[int] = []
-    for start, n, table in zip(num_computed, query_lens, block_tables, strict=True):
-        for pos in range(start, start + n):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    return AttentionMetadata(
-        query_lens=list(query_lens),
-        context_lens=[c + n for c, n in zip(num_computed, query_lens, strict=True)],
-        block_tables=block_tables,
-        block_size=block_size,
-        slot_mapping=index_tensor(slots, device),
-        is_causal=is_causal,
-    )
+def slot_ids(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slots of positions start..end-1 of a request (`block_id * block_size + offset`)."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 class AttentionBackend(Protocol):

@@ -96,7 +96,7 @@ class Paged:
     """Runs our model step by step over a paged cache; hands out block ids in shuffled order."""
 
     def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0) -> None:
-        from engine.model.attention import build_metadata
+        from attention_helpers import build_metadata
 
         self._build = build_metadata
         cfg = model.cfg

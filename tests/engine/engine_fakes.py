@@ -50,7 +50,6 @@ class FakeRunner:
     step_delay: float = 0.0  # seconds per execute(), so that async tests can act while requests run
     slots: dict[int, int] = field(default_factory=dict)
     steps: list[SchedulerOutput] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if self.fail_on_step is not None and len(self.steps) == self.fail_on_step:
@@ -58,7 +57,6 @@ class FakeRunner:
         self.steps.append(out)
         if self.step_delay:
             time.sleep(self.step_delay)
-        self.dropped.extend(out.finished_request_ids)
         bs = self.block_size
         assert out.num_batched_tokens == sum(len(s.new_token_ids) for s in out.scheduled)
         for s in out.scheduled:  # write K/V of the whole batch before any "attention"
@@ -83,9 +81,6 @@ class FakeRunner:
                 ]
                 result.prompt_logprobs[s.request_id] = entries
         return result
-
-    def drop_request(self, request_id: str) -> None:
-        self.dropped.append(request_id)
 
 
 class ByteTokenizer:

@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
+from attention_helpers import build_metadata
 
-from engine.model.attention import build_metadata
 from engine.model.flex_attention import Q_BLOCK, FlexBackend
 from engine.model.loader import load_model
 

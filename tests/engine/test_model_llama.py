@@ -99,7 +99,7 @@ def test_mixed_step_decode_chunk_and_fresh_prefill(setup):
 
 
 def test_logits_only_for_requested_rows(arch, tiny_model):
-    from engine.model.attention import build_metadata
+    from attention_helpers import build_metadata
 
     tiny = tiny_model(arch)
     model = load_model(tiny.path, torch.device("cpu"), torch.float32)

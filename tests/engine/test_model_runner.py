@@ -264,7 +264,7 @@ def test_logprobs_of_a_vocabulary_smaller_than_asked(tmp_path):
 
 def test_finished_requests_and_bad_tokens(runner_for):
     runner, _ = runner_for("llama")
-    assert runner.execute(SchedulerOutput([], 0, finished_request_ids=["gone"])).sampled_token_ids == {}
+    assert runner.execute(SchedulerOutput([], 0)).sampled_token_ids == {}
     bad = ScheduledRequest("r", [128], 0, [0], True, SamplingParams(), [128], 1, 0)
     with pytest.raises(ValueError, match="out of range"):
         runner.execute(SchedulerOutput([bad], 1))

@@ -205,7 +205,7 @@ def test_abort_of_a_preempted_request_frees_nothing_twice_and_ends_its_stream():
     assert list(core.scheduler.waiting) == []
     assert core.abort_request("new") == []
     old = collect(run_to_completion(core), "old")[0]
-    assert old["finish_reason"] is FinishReason.LENGTH and "new" in runner.dropped
+    assert old["finish_reason"] is FinishReason.LENGTH
 
 
 def test_abort_of_a_finished_request_is_a_no_op_even_while_a_sibling_runs():

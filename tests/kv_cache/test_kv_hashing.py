@@ -100,15 +100,14 @@ def test_incremental_extend_equals_one_shot(tokens: list[int], cuts: list[int], 
     algo=st.sampled_from(HASH_ALGOS),
     tokens=st.lists(st.one_of(st.integers(0, 2**16), st.integers(-(2**70), 2**70)), max_size=24),
     salt=st.one_of(st.none(), st.text(max_size=3)),
-    lora=st.one_of(st.none(), st.text(max_size=3)),
     block_size=st.integers(1, 5),
 )
 def test_block_hasher_matches_the_definition(
-    algo: str, tokens: list[int], salt: str | None, lora: str | None, block_size: int
+    algo: str, tokens: list[int], salt: str | None, block_size: int
 ) -> None:
     """BlockHasher's fast path (it encodes keys itself) gives exactly hash_fn((parent, tokens, keys))."""
     fn = get_hash_fn(algo)
-    hasher = BlockHasher(block_size, fn, cache_salt=salt, lora_name=lora, none_hash=b"seed")
+    hasher = BlockHasher(block_size, fn, cache_salt=salt, none_hash=b"seed")
     got: list[bytes] = []
     hasher.extend(got, tokens)
     parent, want = b"seed", []
@@ -121,36 +120,16 @@ def test_block_hasher_matches_the_definition(
 def test_typed_extra_keys() -> None:
     fn = get_hash_fn("sha256")
     salted = BlockHasher(4, fn, cache_salt="x", none_hash=SEED)
-    lora = BlockHasher(4, fn, lora_name="x", none_hash=SEED)
-    both = BlockHasher(4, fn, cache_salt="s", lora_name="l", none_hash=SEED)
     plain = BlockHasher(4, fn, none_hash=SEED)
     assert salted.extra_keys(0) == (("cache_salt", "x"),) and salted.extra_keys(1) is None
-    assert lora.extra_keys(0) == lora.extra_keys(3) == (("lora", "x"),)
-    assert both.extra_keys(0) == (("cache_salt", "s"), ("lora", "l")) and both.extra_keys(1) == (
-        ("lora", "l"),
-    )
     assert plain.extra_keys(0) is None
     chains = []
-    for h in (salted, lora, plain, BlockHasher(4, fn, cache_salt="", none_hash=SEED)):
+    for h in (salted, plain, BlockHasher(4, fn, cache_salt="", none_hash=SEED)):
         out: list[bytes] = []
         h.extend(out, list(range(12)))
         chains.append(out)
-    for i in range(3):  # a salt or a LoRA changes every block's hash, not only block 0's
-        assert len({c[i] for c in chains}) == 4
-
-
-def test_multimodal_keys_mark_overlapping_blocks() -> None:
-    fn = get_hash_fn("sha256")
-    h = BlockHasher(4, fn, mm_items=[("img-a", 2, 5), ("img-b", 12, 1)], none_hash=SEED)
-    assert h.extra_keys(0) == (("mm", "img-a", 2),)  # positions 2..6
-    assert h.extra_keys(1) == (("mm", "img-a", 2),)
-    assert h.extra_keys(2) is None
-    assert h.extra_keys(3) == (("mm", "img-b", 12),)
-    a: list[bytes] = []
-    b: list[bytes] = []
-    h.extend(a, [0] * 16)
-    BlockHasher(4, fn, mm_items=[("img-c", 2, 5), ("img-b", 12, 1)], none_hash=SEED).extend(b, [0] * 16)
-    assert a[0] != b[0]  # same placeholder tokens, different image
+    for i in range(3):  # a salt changes every block's hash, not only block 0's
+        assert len({c[i] for c in chains}) == 3
 
 
 def test_none_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from kv_fakes import FakeRequest, admit, make_req
+from kv_fakes import admit, make_req
 
 from kv_cache import BlockHasher, KVCacheManager
 from kv_cache.block_pool import BlockPool
@@ -91,18 +91,6 @@ def test_cache_refuses_ids_and_hashes_of_different_lengths() -> None:
         pool.cache(ids[:1], [b"one", b"two"])
 
 
-def test_a_multimodal_item_touches_only_the_blocks_its_tokens_lie_in() -> None:
-    # Block size 4: an item over tokens 2..3 ends exactly where block 1 starts, one over 4..7 fills block 1.
-    hasher = BlockHasher(
-        4, get_hash_fn("sha256"), mm_items=[("img-a", 2, 2), ("img-b", 4, 4), ("img-c", 11, 3)]
-    )
-    assert hasher.extra_keys(0) == (("mm", "img-a", 2),)
-    assert hasher.extra_keys(1) == (("mm", "img-b", 4),)
-    assert hasher.extra_keys(2) == (("mm", "img-c", 11),)
-    assert hasher.extra_keys(3) == (("mm", "img-c", 11),)
-    assert hasher.extra_keys(4) is None
-
-
 def test_prefix_cache_stats_accumulate() -> None:
     stats = PrefixCacheStats()
     for preempted in (False, True):
@@ -131,13 +119,6 @@ def test_bad_arguments_are_refused_with_a_message_that_says_why() -> None:
         ValueError, match=r"^request 'r2' got hit blocks but already holds blocks or computed"
     ):
         mgr.allocate_slots(s, 1, computed)
-
-
-def test_the_lora_name_reaches_every_block_hash() -> None:
-    mgr = KVCacheManager(8, 4)
-    plain = make_req(mgr, "a", range(8))
-    lora = FakeRequest("b", list(range(8)), mgr.make_hasher(lora_name="adapter"))
-    assert plain.block_hashes[0] != lora.block_hashes[0] and plain.block_hashes[1] != lora.block_hashes[1]
 
 
 def test_evictions_are_reported_per_interval() -> None:
