@@ -116,7 +116,7 @@ class StructuredOutputs(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    # A string, a list of content parts (validated in server.chat_template), or null (assistant tool calls).
+    # A string, a list of content parts (validated in server.prompts), or null (assistant tool calls).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -122,9 +122,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(_get(raw, "mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
-        sliding_windows=_sliding_windows(raw, arch, num_layers),
-        is_causal=bool(_get(raw, "is_causal", True))
-        and not bool(_get(raw, "use_bidirectional_attention", False)),
+        sliding_windows=windows,
+        is_causal=is_causal,
         eos_token_ids=eos,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )
