@@ -33,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.async_engine import AsyncEngine, EngineConfig
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.config import EngineConfig
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.files import resolve_model
 from engine.model_runner import ModelRunner
@@ -75,13 +76,16 @@ def bench_dtype(
     num_blocks = -(-max(max_len, 128 + decode_steps) // block_size) + 1
     ours, fast = (
         ModelRunner(
-            path,
-            device=str(device),
-            dtype=dtype_name,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_batched_tokens=max_len,
-            batch_invariant=invariant,
+            EngineConfig(
+                model=str(path),
+                device=str(device),
+                dtype=dtype_name,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_batched_tokens=max_len,
+                max_num_seqs=256,  # the runner's own default before it took an EngineConfig
+                batch_invariant=invariant,
+            )
         )
         for invariant in (True, False)
     )
@@ -175,12 +179,14 @@ def bench_batched_decode(path, device: torch.device, dtype_name: str, batch: int
     block_size, prompt_len = 16, 128
     per_req = -(-(prompt_len + steps + 1) // block_size)
     runner = ModelRunner(
-        path,
-        device=str(device),
-        dtype=dtype_name,
-        block_size=block_size,
-        num_blocks=batch * per_req + 1,
-        max_num_seqs=batch,
+        EngineConfig(
+            model=str(path),
+            device=str(device),
+            dtype=dtype_name,
+            block_size=block_size,
+            num_blocks=batch * per_req + 1,
+            max_num_seqs=batch,
+        )
     )
     gen = torch.Generator().manual_seed(1)
 

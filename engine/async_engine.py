@@ -15,14 +15,16 @@ the runner kills the engine: `is_healthy()` turns False and every pending and la
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -30,32 +32,11 @@ from engine.structured_output import CompiledGrammar, GrammarCompiler, Structure
 from engine.threads import default_torch_threads, set_torch_threads
 from engine.tokenizer import Tokenizer
 from kv_cache.namespace import CacheNamespace, Owner
-from metrics.stats import StatLogger
 
 if TYPE_CHECKING:  # zmq: imported only when KV events are on
     from engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model: str | None = None  # resolved by engine.model.files.resolve_model
-    served_model_name: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    kv_cache_memory: int | None = None  # bytes
-    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's
-    batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
-    kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
-    threads: int | None = None  # torch's intra-op threads (engine.threads); None: torch's default
-    stat_loggers: list[StatLogger] = field(default_factory=list)
 
 
 class EngineDeadError(RuntimeError):
@@ -145,32 +126,15 @@ class AsyncEngine:
 
             endpoint = config.kv_events_endpoint
             kv_events = KVEventPublisher(endpoint, replay_endpoint_for(endpoint))
-        runner = ModelRunner(
-            files.path,
-            device=config.device,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            kv_cache_memory=config.kv_cache_memory,
-            num_blocks=config.num_blocks,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            batch_invariant=config.batch_invariant,
-        )
+        config = dataclasses.replace(config, model=str(files.path))
+        runner = ModelRunner(config)
         if config.max_model_len is not None and config.max_model_len > runner.max_model_len:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's context length {runner.max_model_len}"
             )
         tokenizer = Tokenizer(files.path)
         core = EngineCore(
-            runner,
-            tokenizer,
-            max_model_len=config.max_model_len or runner.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo,
-            stat_loggers=config.stat_loggers,
-            kv_event_sink=kv_events.publish if kv_events is not None else None,
+            runner, tokenizer, config, kv_event_sink=kv_events.publish if kv_events is not None else None
         )
         logger.info(
             "engine ready: model %s (%s), %d KV blocks of %d tokens, prefix caching %s, %d torch threads%s",

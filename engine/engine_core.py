@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from engine.config import EngineConfig
 from engine.output_processor import OutputProcessor, error_output
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -26,7 +27,7 @@ from engine.structured_output import CompiledGrammar, GrammarState
 from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner
 from kv_cache.stats import KVCacheEvent
-from metrics.stats import IterationStats, SchedulerStats, StatLogger
+from metrics.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +52,17 @@ class EngineCore:
         self,
         runner: Runner,
         tokenizer: Detokenizes,
+        config: EngineConfig | None = None,
         *,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        hash_algo: str = "sha256",
-        stat_loggers: Sequence[StatLogger] = (),
         kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
     ) -> None:
-        """kv_event_sink: receives the KV cache events of each step (and of a reset) as one batch, on the
-        step's thread (`engine.kv_event_publisher.KVEventPublisher.publish`); None records no events."""
+        """Reads max_model_len (default: the runner's), enable_prefix_caching, prefix_caching_hash_algo and
+        stat_loggers from `config`, and hands it on to the scheduler. kv_event_sink: receives the KV cache
+        events of each step (and of a reset) as one batch, on the step's thread
+        (`engine.kv_event_publisher.KVEventPublisher.publish`); None records no events."""
+        config = config or EngineConfig()
+        config = dataclasses.replace(config, max_model_len=config.max_model_len or runner.max_model_len)
+        enable_prefix_caching = config.enable_prefix_caching
         if enable_prefix_caching and not runner.is_causal:
             logger.info(
                 "prefix caching disabled: the model is not causal, so a prefix's K/V depends on what follows"
@@ -73,19 +74,13 @@ class EngineCore:
             runner.num_blocks,
             runner.block_size,
             enable_caching=enable_prefix_caching,
-            hash_algo=hash_algo,
+            hash_algo=config.prefix_caching_hash_algo,
             enable_events=kv_event_sink is not None,
         )
         self.kv_event_sink = kv_event_sink
-        self.max_model_len = max_model_len or runner.max_model_len
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_ids=tokenizer.eos_token_ids,
-        )
-        self.stat_loggers = list(stat_loggers)
+        self.scheduler = Scheduler(self.kv, config, eos_token_ids=tokenizer.eos_token_ids)
+        self.max_model_len = self.scheduler.max_model_len
+        self.stat_loggers = list(config.stat_loggers)
         self.outputs = OutputProcessor(self.scheduler, tokenizer.decode)
 
     @property

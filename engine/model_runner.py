@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config import EngineConfig
 from engine.kv_store import KVStore
 from engine.model.attention import AttentionMetadata, slot_ids
 from engine.model.device import resolve_device, resolve_dtype, select_backend
@@ -34,21 +35,19 @@ CUDA_HEADROOM_BYTES = 512 * 2**20  # activations and logits of the largest step 
 class ModelRunner:
     def __init__(
         self,
-        model_path: Path | str,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        num_blocks: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        batch_invariant: bool = True,
+        config: EngineConfig,
     ) -> None:
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        """Reads model (a resolved directory), device, dtype, block_size, kv_cache_memory, num_blocks,
+        max_num_batched_tokens, max_num_seqs and batch_invariant from `config`."""
+        if config.model is None:
+            raise ValueError("the runner needs a model directory (engine.model.files.resolve_model)")
+        block_size, num_blocks = config.block_size, config.num_blocks
+        kv_cache_memory, batch_invariant = config.kv_cache_memory, config.batch_invariant
+        max_num_batched_tokens, max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.batch_invariant = batch_invariant
-        self.model = load_model(Path(model_path), self.device, self.dtype, batch_invariant=batch_invariant)
+        self.model = load_model(Path(config.model), self.device, self.dtype, batch_invariant=batch_invariant)
         cfg = self.model.cfg
         self.config = cfg
         self.architecture = cfg.architecture

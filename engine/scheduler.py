@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
 from engine.errors import ContextLengthError
 from engine.fair_queue import FairQueue
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
@@ -53,21 +54,24 @@ class Scheduler:
     def __init__(
         self,
         kv: KVCacheManager,
+        config: EngineConfig,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
+        """Reads max_num_seqs, max_num_batched_tokens and max_model_len (resolved: not None) from `config`."""
         # Either at 0 would schedule nothing while requests wait: the step loop would spin and clients hang.
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
+        if config.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
+        if config.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {config.max_num_batched_tokens}"
+            )
+        if config.max_model_len is None:
+            raise ValueError("the scheduler needs max_model_len (EngineCore fills in the model's)")
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         # A sequence of N tokens needs N - 1 KV slots to sample its next token; past the whole pool it can
         # never run again, so it stops there ("length") instead of preempting itself forever.

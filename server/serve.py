@@ -14,7 +14,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # heavy imports (torch) happen inside serve() only
-    from engine.async_engine import AsyncEngine, EngineConfig
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
     from metrics.stats import StatLogger
     from server.limits import RequestLimits
     from server.tenancy import TenancyConfig
@@ -46,7 +47,7 @@ def log_config() -> dict[str, Any]:
 def engine_config(args: argparse.Namespace, stat_loggers: list[StatLogger]) -> EngineConfig:
     """Every `EngineConfig` field from the flag of the same name (the parser gives each engine flag its
     field's name as `dest`): a new engine flag is its parser line and its field, nothing here."""
-    from engine.async_engine import EngineConfig
+    from engine.config import EngineConfig
 
     values = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, TokenLogprob
 
@@ -105,8 +106,11 @@ class RecordingLogger:
         self.records.append((scheduler_stats, iteration_stats))
 
 
-def make_core(runner: FakeRunner | None = None, **kwargs) -> EngineCore:
-    return EngineCore(runner or FakeRunner(), ByteTokenizer(), **kwargs)
+def make_core(runner: FakeRunner | None = None, *, kv_event_sink=None, **config) -> EngineCore:
+    """`config`: EngineConfig fields."""
+    return EngineCore(
+        runner or FakeRunner(), ByteTokenizer(), EngineConfig(**config), kv_event_sink=kv_event_sink
+    )
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> list[RequestOutput]:

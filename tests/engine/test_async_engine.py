@@ -9,6 +9,7 @@ import pytest
 from engine_fakes import ByteTokenizer, FakeRunner, scripted
 
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
@@ -17,7 +18,9 @@ from kv_cache.namespace import CacheNamespace
 
 def make_engine(runner: FakeRunner | None = None, **kwargs) -> AsyncEngine:
     # 2 ms per step: slow enough that a request is still running when a test aborts it.
-    core = EngineCore(runner or FakeRunner(num_blocks=64, step_delay=0.002), ByteTokenizer(), **kwargs)
+    core = EngineCore(
+        runner or FakeRunner(num_blocks=64, step_delay=0.002), ByteTokenizer(), EngineConfig(**kwargs)
+    )
     return AsyncEngine(core, core.tokenizer, model_name="fake")
 
 

@@ -72,6 +72,7 @@ def test_runner_prefill_like_prefill_bench(tmp_path):
     all 33 blocks in descending order through the invariant one."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
     from engine.outputs import ScheduledRequest, SchedulerOutput
     from engine.sampling_params import SamplingParams
@@ -90,12 +91,15 @@ def test_runner_prefill_like_prefill_bench(tmp_path):
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
     runners = [
         ModelRunner(
-            tmp_path,
-            device="cuda",
-            dtype="bfloat16",
-            num_blocks=33,
-            max_num_batched_tokens=512,
-            batch_invariant=inv,
+            EngineConfig(
+                model=str(tmp_path),
+                device="cuda",
+                dtype="bfloat16",
+                num_blocks=33,
+                max_num_batched_tokens=512,
+                max_num_seqs=256,
+                batch_invariant=inv,
+            )
         )
         for inv in (True, False)
     ]

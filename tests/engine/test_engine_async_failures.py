@@ -13,6 +13,7 @@ import pytest
 from engine_fakes import ByteTokenizer, FakeRunner
 
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ PARAMS = SamplingParams(max_tokens=200, temperature=0)
 
 
 def make_engine(runner: FakeRunner, tokenizer: ByteTokenizer | None = None, **kwargs) -> AsyncEngine:
-    core = EngineCore(runner, tokenizer or ByteTokenizer(), **kwargs)
+    core = EngineCore(runner, tokenizer or ByteTokenizer(), EngineConfig(**kwargs))
     return AsyncEngine(core, core.tokenizer, model_name="fake")
 
 

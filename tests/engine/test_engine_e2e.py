@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineConfig
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec

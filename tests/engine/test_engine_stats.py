@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import engine.engine_core
 import engine.output_processor
 from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from metrics.prometheus import PrometheusStatLogger
@@ -154,7 +155,9 @@ def test_a_refused_reset_changes_nothing() -> None:
 
 async def test_async_reset_prefix_cache_updates_the_gauges_without_a_request() -> None:
     prom = PrometheusStatLogger(MODEL)
-    core = EngineCore(FakeRunner(num_blocks=64, block_size=4), ByteTokenizer(), stat_loggers=[prom])
+    core = EngineCore(
+        FakeRunner(num_blocks=64, block_size=4), ByteTokenizer(), EngineConfig(stat_loggers=[prom])
+    )
     eng = AsyncEngine(core, core.tokenizer, model_name=MODEL)
     try:
         outs = [o async for o in eng.generate(list(range(1, 30)), SamplingParams(max_tokens=2))]

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.async_engine import AsyncEngine, EngineConfig
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.model.invariance import isa_summary
 from engine.sampling_params import SamplingParams
 

@@ -262,6 +262,7 @@ def test_flex_equals_sdpa_reference_on_random_batches(device, tiny_model, paged,
 def test_cuda_runner_default_model_answers_paris():
     from transformers import AutoTokenizer
 
+    from engine.config import EngineConfig
     from engine.errors import ModelNotFoundError
     from engine.model.files import resolve_model
     from engine.model_runner import ModelRunner
@@ -279,7 +280,7 @@ def test_cuda_runner_default_model_answers_paris():
         add_generation_prompt=True,
     )
     prompt = tok(text, add_special_tokens=False)["input_ids"]
-    runner = ModelRunner(path, device="cuda", num_blocks=256)
+    runner = ModelRunner(EngineConfig(model=str(path), device="cuda", num_blocks=256, max_num_seqs=256))
     assert runner.dtype == torch.bfloat16 and runner.attention_backend == "flex"
     params = SamplingParams(temperature=0.0, max_tokens=16)
     seq, out = list(prompt), []

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -87,7 +88,8 @@ def runner_for(tiny_model):
     def make(name: str, **kw) -> tuple[ModelRunner, object]:
         tiny = tiny_model(name)
         kw.setdefault("num_blocks", 64)
-        return ModelRunner(tiny.path, device="cpu", dtype="float32", block_size=4, **kw), tiny
+        config = EngineConfig(model=str(tiny.path), device="cpu", dtype="float32", block_size=4, **kw)
+        return ModelRunner(config), tiny
 
     return make
 
@@ -204,7 +206,9 @@ def test_cuda_each_step_syncs_once(tiny_model):
     import warnings
 
     tiny = tiny_model("qwen3")
-    runner = ModelRunner(tiny.path, device="cuda", dtype="float32", block_size=16, num_blocks=64)
+    runner = ModelRunner(
+        EngineConfig(model=str(tiny.path), device="cuda", dtype="float32", block_size=16, num_blocks=64)
+    )
     assert runner.attention_backend == "flex"
     params = {
         "greedy": SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
@@ -253,7 +257,9 @@ def test_logprobs_of_a_vocabulary_smaller_than_asked(tmp_path):
     )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    runner = ModelRunner(tmp_path, device="cpu", dtype="float32", block_size=4, num_blocks=8)
+    runner = ModelRunner(
+        EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", block_size=4, num_blocks=8)
+    )
     drv = Driver(runner, chunk=16)
     drv.add("r", [1, 2, 3], SamplingParams(temperature=0.0, logprobs=20, prompt_logprobs=20), max_len=8)
     result = drv.step()
@@ -284,7 +290,7 @@ def test_default_model_answers_paris_and_matches_transformers_generate():
     tok = AutoTokenizer.from_pretrained(path)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    runner = ModelRunner(path, device="cpu", dtype="float32", num_blocks=32)
+    runner = ModelRunner(EngineConfig(model=str(path), device="cpu", dtype="float32", num_blocks=32))
     drv = Driver(runner, chunk=2048)
     drv.add("q", prompt, SamplingParams(temperature=0.0), max_len=len(prompt) + 40)
     for _ in range(32):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.outputs import RunnerOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -18,9 +19,8 @@ EOS = 2
 
 def make(num_blocks: int = 16, block_size: int = 4, budget: int = 64, **kw) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(
-        kv, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64, eos_token_ids=[EOS], **kw
-    )
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64, **kw)
+    return Scheduler(kv, config, eos_token_ids=[EOS])
 
 
 def add(sched: Scheduler, rid: str, n: int, **params) -> Request:

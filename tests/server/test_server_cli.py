@@ -11,7 +11,8 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 import engine.model.files as model_files
-from engine.async_engine import AsyncEngine, EngineConfig
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from metrics.prometheus import PrometheusStatLogger
 from server import cli, serve
 

@@ -1,0 +1,38 @@
+"""`EngineConfig`: every engine setting, built once (from `brine serve`'s flags, by `server.serve.engine_config`,
+or by a test or benchmark) and passed whole to the components, each of which reads the fields it needs:
+
+- `ModelRunner`: model, device, dtype, block_size, kv_cache_memory, num_blocks, max_num_batched_tokens,
+  max_num_seqs (to size attention buffers), batch_invariant;
+- `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, stat_loggers;
+- `Scheduler`: max_num_seqs, max_num_batched_tokens, max_model_len;
+- `AsyncEngine.from_config`: served_model_name, kv_events_endpoint, threads.
+
+A new engine setting is a field here, its flag in `server.cli` (with the field's name as `dest`), and its one
+reader; nothing between them re-lists it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metrics.stats import StatLogger
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # resolved by engine.model.files.resolve_model
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_cache_memory: int | None = None  # bytes
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's
+    batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
+    kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
+    threads: int | None = None  # torch's intra-op threads (engine.threads); None: torch's default
+    stat_loggers: list[StatLogger] = field(default_factory=list)
