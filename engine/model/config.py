@@ -1,8 +1,9 @@
 """What the model code needs from a HF `config.json`, read without transformers.
 
-Owns the list of supported architectures and the per-architecture differences of the Llama family
-(Llama, Mistral, Qwen2, Qwen3): which projections carry a bias, whether q/k are RMS-normed per head,
-which layers use a sliding window, and how RoPE is scaled. Anything we cannot reproduce exactly raises
+Owns the map of supported architectures (`ARCHITECTURES`: what each of the Llama family (Llama, Mistral,
+Qwen2, Qwen3) does differently: which projections carry a bias, whether q/k are RMS-normed per head, which
+layers use a sliding window, the model class, the checkpoint's tensor names), and how RoPE is scaled. A new
+Llama-like architecture is one entry there. Anything we cannot reproduce exactly raises
 `UnsupportedModelError` with a message that names the offending field, rather than silently computing
 something different from the reference implementation.
 """
@@ -14,13 +15,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True, frozen=True)
+class Architecture:
+    """How one architecture differs from Llama's defaults."""
+
+    qkv_bias: bool | None = None  # None: the config's `attention_bias`
+    o_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE
+    # Which layers `sliding_window` applies to: "none"; "all"; "qwen": per `layer_types`, else the layers from
+    # `max_window_layers` on, and only with `use_sliding_window` or `layer_types`.
+    sliding_window: str = "none"
+    model_class: str = "llama"  # a key of engine.model.loader.MODEL_CLASSES
+    # Checkpoint tensor-name prefixes renamed to Llama's before loading, e.g. (("transformer.h.", "model.layers."),).
+    weight_renames: tuple[tuple[str, str], ...] = ()
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(),
+    "MistralForCausalLM": Architecture(sliding_window="all"),
+    # Qwen2 always has q/k/v biases and never an o bias, whatever `attention_bias` says.
+    "Qwen2ForCausalLM": Architecture(qkv_bias=True, o_bias=False, sliding_window="qwen"),
+    "Qwen3ForCausalLM": Architecture(qk_norm=True, sliding_window="qwen"),
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -56,6 +75,10 @@ class ModelConfig:
     def rope(self) -> dict[str, float]:
         return dict(self.rope_params)
 
+    @property
+    def arch(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
 
 def load_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
@@ -75,11 +98,12 @@ def _get(raw: dict[str, Any], key: str, default: Any = None) -> Any:
 def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else ""
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported architecture {arch or '(none given)'!r} (model_type {raw.get('model_type')!r}); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
+    traits = ARCHITECTURES[arch]
     act = _get(raw, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"unsupported hidden_act {act!r}: only 'silu' is implemented")
@@ -93,13 +117,12 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
         raise UnsupportedModelError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads}")
 
     rope_theta, rope_type, rope_params = _parse_rope(raw)
-    is_qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(_get(raw, "attention_bias", False))
     eos = _eos_ids(raw, generation or {})
     is_causal = bool(_get(raw, "is_causal", True)) and not bool(
         _get(raw, "use_bidirectional_attention", False)
     )
-    windows = _sliding_windows(raw, arch, num_layers)
+    windows = _sliding_windows(raw, traits.sliding_window, num_layers)
     if not is_causal and any(windows):
         raise UnsupportedModelError("a bidirectional (is_causal false) model with a sliding window")
     return ModelConfig(
@@ -117,11 +140,10 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
         rope_theta=rope_theta,
         rope_type=rope_type,
         rope_params=rope_params,
-        # Qwen2 always has q/k/v biases and never an o bias; the others follow `attention_bias`.
-        qkv_bias=True if is_qwen2 else attention_bias,
-        o_bias=False if is_qwen2 else attention_bias,
+        qkv_bias=attention_bias if traits.qkv_bias is None else traits.qkv_bias,
+        o_bias=attention_bias if traits.o_bias is None else traits.o_bias,
         mlp_bias=bool(_get(raw, "mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=traits.qk_norm,
         sliding_windows=windows,
         is_causal=is_causal,
         eos_token_ids=eos,
@@ -157,11 +179,11 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, str, tuple[tuple[str, float
     return theta, rope_type, kept
 
 
-def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(raw: dict[str, Any], rule: str, num_layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if rule == "all":
         return (int(window) if window else None,) * num_layers
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if rule == "qwen":
         layer_types = raw.get("layer_types")
         if not window or not (raw.get("use_sliding_window") or layer_types):
             return (None,) * num_layers

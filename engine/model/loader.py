@@ -42,8 +42,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+# Architecture.model_class -> the class built for it.
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM}
+
+
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     """Our parameter name and fused shard index for a checkpoint tensor; None to skip it."""
+    for theirs, llamas in cfg.arch.weight_renames:
+        if name.startswith(theirs):
+            name = llamas + name.removeprefix(theirs)
+            break
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None  # some tied checkpoints still store the copy
     if name.endswith("rotary_emb.inv_freq"):
@@ -79,7 +87,7 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = MODEL_CLASSES[cfg.arch.model_class](cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
