@@ -12,6 +12,7 @@ prompt logprobs, one per new token whose next token is still a prompt token.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,7 +99,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if not out.scheduled:
             return RunnerOutput({})
-        reqs = out.scheduled
+        step = self._prepare(out.scheduled)
+        return self._sample(step, self._run(step))
+
+    def _prepare(self, reqs: list[ScheduledRequest]) -> _Step:
+        """Host lists for the step, sent to the device in one copy."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -138,9 +143,19 @@ class ModelRunner:
             slot_mapping=dev[2 * t : 3 * t],
             is_causal=self.is_causal,
         )
-        logits = self.model(dev[:t], dev[t : 2 * t], meta, self.kv.k_caches, self.kv.v_caches, dev[3 * t :])
         sampling = [r for r in reqs if r.sample]
-        ns = len(sample_rows)
+        return _Step(dev[:t], dev[t : 2 * t], meta, dev[3 * t :], sampling, prompt_spans)
+
+    def _run(self, step: _Step) -> torch.Tensor:
+        """The model over the step: [sampling rows + prompt-logprob rows, vocab] float32 logits."""
+        return self.model(
+            step.input_ids, step.positions, step.meta, self.kv.k_caches, self.kv.v_caches, step.logits_indices
+        )
+
+    def _sample(self, step: _Step, logits: torch.Tensor) -> RunnerOutput:
+        """Sampled tokens and logprobs, brought back with the step's one device->host sync."""
+        sampling, prompt_spans = step.sampling, step.prompt_spans
+        ns = len(sampling)
         parts: list[torch.Tensor] = []
         sampled = self.sampler(logits[:ns], sampling) if sampling else None
         if sampled is not None:
@@ -159,6 +174,18 @@ class ModelRunner:
         # The step's only device->host sync: every result in one float64 tensor (token ids are exact).
         values = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist() if parts else []
         return _unpack(values, sampling, sampled, prompt_spans, targets, prompt_lp)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's device inputs (from `_prepare`) and what `_sample` needs to read the logits back."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N]: one row per sampling request, then the prompt-logprob rows
+    sampling: list[ScheduledRequest]  # the requests that sample, in row order
+    prompt_spans: list[tuple[ScheduledRequest, int, int]]  # (request, first prompt row, count)
 
 
 def _unpack(
