@@ -14,7 +14,6 @@ from typing import Any, Protocol
 import anyio
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
@@ -25,7 +24,7 @@ from server.generation import ClientDisconnected
 from server.limits import RequestLimits
 from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
 from server.params import check_chat_template, check_model
-from server.prompts import encode, render_chat
+from server.prompts import encode, off_loop, render_chat
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import now
 from server.router_routes import install_router_routes
@@ -159,7 +158,7 @@ def create_app(
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty.", "messages")
-            tokens = await run_in_threadpool(
+            tokens = await off_loop(
                 render_chat,
                 engine.tokenizer,
                 req.messages,
@@ -168,7 +167,7 @@ def create_app(
                 chat_template_kwargs=req.chat_template_kwargs,
             )
         else:
-            tokens = await run_in_threadpool(
+            tokens = await off_loop(
                 encode,
                 engine.tokenizer,
                 req.prompt or "",

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 from jinja2 import TemplateError
+from starlette.concurrency import run_in_threadpool
 
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
 from server.protocol import ChatMessage
 
+P = ParamSpec("P")
+T = TypeVar("T")
 logger = logging.getLogger("brine.server")
 _KWARGS = "chat_template_kwargs"
 
@@ -36,6 +40,12 @@ def _message_text(message: ChatMessage, index: int) -> str:
         texts.append(text)
     # Templates expect a string; joining parts with newlines is what vLLM does for string-format templates.
     return "\n".join(texts)
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Runs a tokenizing function in a worker thread: tokenizing (or rendering) a long prompt takes long, and
+    the event loop must keep serving streams. Every route that tokenizes goes through here."""
+    return await run_in_threadpool(fn, *args, **kwargs)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

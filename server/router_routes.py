@@ -84,4 +84,4 @@ def install_router_routes(app: FastAPI, engine: EngineClient) -> None:
     @app.post("/v1/chat/completions/render", operation_id="renderChatCompletion", responses=BODY_ERRORS)
     async def render_chat_completion(req: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         prep = await prepare_chat(engine, req, request)  # the generating route's checks
-        return _generate_request(engine, new_id("chatcmpl"), prep.prompt, prep.params, req.stream)
+        return _generate_request(engine, new_id("chatcmpl"), prep.prompts[0], prep.params, req.stream)
