@@ -67,20 +67,6 @@ class KVStore:
             num_blocks * self.bytes_per_block / 2**20,
         )
 
-    @staticmethod
-    def num_blocks_for_budget(
-        budget_bytes: int,
-        num_layers: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-    ) -> int:
-        """How many whole blocks (K and V of every layer) fit in `budget_bytes`; may be 0."""
-        if budget_bytes < 0:
-            raise ValueError(f"memory budget must be >= 0 bytes, got {budget_bytes}")
-        return budget_bytes // _bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-
     @classmethod
     def from_budget(
         cls,
@@ -92,12 +78,14 @@ class KVStore:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> KVStore:
-        """A store with as many blocks as `budget_bytes` holds; ValueError when not even one fits."""
-        n = cls.num_blocks_for_budget(budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype)
-        if n < 1:
-            need = _bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        """A store with as many whole blocks (K and V of every layer) as `budget_bytes` holds; ValueError when
+        not even one fits."""
+        if budget_bytes < 0:
+            raise ValueError(f"memory budget must be >= 0 bytes, got {budget_bytes}")
+        need = _bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        if budget_bytes < need:
             raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({need} bytes)")
-        return cls(num_layers, n, block_size, num_kv_heads, head_dim, dtype, device)
+        return cls(num_layers, budget_bytes // need, block_size, num_kv_heads, head_dim, dtype, device)
 
 
 def write_slots(

@@ -22,13 +22,19 @@ def test_layout_and_zero_init() -> None:
         KVStore(1, 0, 4, 2, 8, torch.float16, "cpu")
 
 
-def test_num_blocks_for_budget() -> None:
+def test_blocks_from_budget() -> None:
     per_block = 2 * 2 * 16 * 4 * 8 * 2  # K+V, layers, block_size, heads, head_dim, fp16 bytes = 4096
-    assert KVStore.num_blocks_for_budget(100_000, 2, 16, 4, 8, torch.float16) == 100_000 // per_block == 24
-    assert KVStore.num_blocks_for_budget(per_block - 1, 2, 16, 4, 8, torch.float16) == 0
-    assert KVStore.num_blocks_for_budget(per_block * 7, 2, 16, 4, 8, torch.float32) == 3
-    with pytest.raises(ValueError):
-        KVStore.num_blocks_for_budget(-1, 2, 16, 4, 8, torch.float16)
+    assert (
+        KVStore.from_budget(100_000, 2, 16, 4, 8, torch.float16, "cpu").num_blocks
+        == 100_000 // per_block
+        == 24
+    )
+    assert KVStore.from_budget(per_block, 2, 16, 4, 8, torch.float16, "cpu").num_blocks == 1
+    assert KVStore.from_budget(per_block * 7, 2, 16, 4, 8, torch.float32, "cpu").num_blocks == 3
+    with pytest.raises(ValueError, match="below one block"):
+        KVStore.from_budget(per_block - 1, 2, 16, 4, 8, torch.float16, "cpu")
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        KVStore.from_budget(-1, 2, 16, 4, 8, torch.float16, "cpu")
 
 
 def test_from_budget_logs_blocks_and_tokens(caplog: pytest.LogCaptureFixture) -> None:
