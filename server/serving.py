@@ -71,7 +71,7 @@ def final_reason(reason: FinishReason | None) -> str:
 class Generation(ABC):
     """Per-request accumulator of one generation route, shared by its streaming and non-streaming paths."""
 
-    object: ClassVar[str]  # the chunk's "object"
+    chunk_object: ClassVar[str]  # the chunk's "object"
     id_prefix: ClassVar[str]
 
     def __init__(self, engine: EngineClient, prepared: Prepared) -> None:
@@ -108,7 +108,7 @@ class Generation(ABC):
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
             "id": self.id,
-            "object": self.object,
+            "object": self.chunk_object,
             "created": self.created,
             "model": self.model,
             "choices": choices,

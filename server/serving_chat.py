@@ -36,6 +36,12 @@ class _Choice:
     finish: FinishReason | None = None
 
 
+@dataclass(slots=True)
+class PreparedChat(Prepared):
+    tools: ToolCallPlan | None = None  # a forced tool call
+    auto_tools: bool = False  # tool_choice "auto" on a template with its own tool-call format
+
+
 async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request: Request) -> PreparedChat:
     """Every check of a chat request, in order, then its prompt and params: shared by the generating route
     and its `/render` twin, so a request one refuses the other refuses alike."""
@@ -70,12 +76,6 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
     return PreparedChat(namespace, [prompt], params, constraint[0] if constraint else None, tools, auto_tools)
 
 
-@dataclass(slots=True)
-class PreparedChat(Prepared):
-    tools: ToolCallPlan | None = None  # a forced tool call
-    auto_tools: bool = False  # tool_choice "auto" on a template with its own tool-call format
-
-
 async def create_chat_completion(
     engine: EngineClient, req: ChatCompletionRequest, request: Request
 ) -> Response:
@@ -88,7 +88,7 @@ async def create_chat_completion(
 class ChatGeneration(Generation):
     """One chat request's choices: collected into `message`s, or streamed as content (or tool-call) deltas."""
 
-    object = "chat.completion.chunk"
+    chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def __init__(self, engine: EngineClient, prepared: PreparedChat) -> None:

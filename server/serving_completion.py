@@ -60,7 +60,7 @@ async def create_completion(engine: EngineClient, req: CompletionRequest, reques
 class CompletionGeneration(Generation):
     """One completion request's choices, `n` per prompt; echo and logprobs included."""
 
-    object = "text_completion"
+    chunk_object = "text_completion"
     id_prefix = "cmpl"
 
     def __init__(self, engine: EngineClient, prepared: Prepared, req: CompletionRequest) -> None:
