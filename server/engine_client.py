@@ -29,6 +29,8 @@ class TokenizerLike(Protocol):
 
     def token_to_str(self, token_id: int) -> str: ...
 
+    def __hash__(self) -> int: ...  # by identity: server.tool_parsers caches one answer per tokenizer
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
