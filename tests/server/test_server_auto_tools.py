@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from server_helpers import assert_error
 from tiny_qwen import build_tiny_qwen
 
-from engine.async_engine import AsyncEngine, EngineConfig
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from server.app import create_app
 
 WEATHER = {
