@@ -103,13 +103,14 @@ def step_timer() -> Iterator[None]:
 
 
 def make_core(model: str | None, dtype: str) -> EngineCore:
+    from engine.config import EngineConfig
     from engine.model.files import resolve_model
     from engine.model_runner import ModelRunner
     from engine.tokenizer import Tokenizer
 
     files = resolve_model(model)
-    runner = ModelRunner(files.path, dtype=dtype, num_blocks=1024, max_num_seqs=16)
-    return EngineCore(runner, Tokenizer(files.path), max_num_seqs=16, enable_prefix_caching=True)
+    config = EngineConfig(model=str(files.path), dtype=dtype, num_blocks=1024, max_num_seqs=16)
+    return EngineCore(ModelRunner(config), Tokenizer(files.path), config)
 
 
 def prompt_ids(core: EngineCore, n: int, salt: int) -> list[int]:

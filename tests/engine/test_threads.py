@@ -9,11 +9,12 @@ import torch
 from engine_fakes import ByteTokenizer, FakeRunner
 
 import engine.model_runner
-from engine.async_engine import AsyncEngine, EngineConfig
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.threads import set_torch_threads
-from server import cli
+from server import cli, serve
 
 
 @pytest.fixture
@@ -83,5 +84,5 @@ def test_bad_counts_are_refused() -> None:
 
 def test_the_flag_reaches_the_engine_config() -> None:
     args = cli.build_parser().parse_args(["serve", "--threads", "3"])
-    assert cli.engine_config(args, []).threads == 3
-    assert cli.engine_config(cli.build_parser().parse_args(["serve"]), []).threads is None
+    assert serve.engine_config(args, []).threads == 3
+    assert serve.engine_config(cli.build_parser().parse_args(["serve"]), []).threads is None
