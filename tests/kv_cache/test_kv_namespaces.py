@@ -146,6 +146,24 @@ def test_kinds_never_collide_and_cache_salt_shorthand_is_the_salt_namespace() ->
     assert "x" not in repr(CacheNamespace(tenant="x", salt="x"))  # a repr never names anyone
 
 
+def test_a_namespace_repr_names_its_kinds_never_their_values() -> None:
+    assert repr(CacheNamespace()) == "CacheNamespace(unsalted)"
+    assert repr(CacheNamespace(salt="s3cret")) == "CacheNamespace(salt)"
+    assert repr(CacheNamespace(gateway="gw-1")) == "CacheNamespace(gateway)"
+    assert (
+        repr(CacheNamespace(tenant="acme", gateway="gw", salt="s")) == "CacheNamespace(tenant, gateway, salt)"
+    )
+
+
+def test_public_prefixes_declared_later_apply_to_later_requests() -> None:
+    mgr = KVCacheManager(64, BS)
+    assert mgr.make_hasher(CacheNamespace(tenant="t"), PUBLIC[1] + [1]).num_public_blocks == 0  # type: ignore[union-attr]
+    mgr.set_public_prefixes(PUBLIC)
+    assert mgr.make_hasher(CacheNamespace(tenant="t"), PUBLIC[1] + [1]).num_public_blocks == 3  # type: ignore[union-attr]
+    mgr.set_public_prefixes([])
+    assert mgr.make_hasher(CacheNamespace(tenant="t"), PUBLIC[1] + [1]).num_public_blocks == 0  # type: ignore[union-attr]
+
+
 def test_longest_public_prefix_wins_and_partial_prefixes_do_not_count() -> None:
     pp = PublicPrefixes(PUBLIC)
     assert pp.match(PUBLIC[1] + [5]) == len(PUBLIC[1])
@@ -210,7 +228,9 @@ def test_forget_drops_one_tenants_private_blocks_only() -> None:
     reqs["a1"].append(7, 8)
     mgr.allocate_slots(reqs["a1"], 2)
     mgr.check_invariants()
+    mgr.take_events()
     assert mgr.forget(("tenant", "nobody")) == 0
+    assert mgr.take_events() == []  # forgetting nothing publishes no (empty) removal
     release(mgr, reqs["a1"], reqs["b"], reqs["g"])
 
 

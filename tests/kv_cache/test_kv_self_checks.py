@@ -89,6 +89,8 @@ def test_cache_refuses_ids_and_hashes_of_different_lengths() -> None:
         pool.cache(ids, [b"only-one"])
     with pytest.raises(ValueError):
         pool.cache(ids[:1], [b"one", b"two"])
+    with pytest.raises(ValueError):  # an owner list of another length is the same mistake
+        pool.cache(ids, [b"h0", b"h1"], owners=[("tenant", "a")])
 
 
 def test_prefix_cache_stats_accumulate() -> None:
