@@ -4,7 +4,8 @@ For every mutation below: copy the tree (without .venv, .git, mutants), check th
 clean copy, apply the one-line edit, run the same tests again, record which failed, and throw the copy away (the
 working tree is never touched). Prints a Markdown table; `--out FILE` also writes it there.
 
-    .venv/bin/python tests/mutation_demo.py                 # all of them (about 10 minutes on 2 cores)
+    .venv/bin/python tests/mutation_demo.py                 # all but the real-server ones (~15 min on 2 cores)
+    .venv/bin/python tests/mutation_demo.py --slow          # also those (e2e tests, minutes each)
     .venv/bin/python tests/mutation_demo.py auth-prefix     # one, by name
     .venv/bin/python tests/mutation_demo.py --list
 
@@ -38,6 +39,7 @@ class Mutation:
     old: str
     new: str
     tests: list[str] = field(default_factory=list)
+    slow: bool = False  # its tests start the real server (marked slow): minutes, not seconds
 
 
 MUTATIONS = [
@@ -197,6 +199,24 @@ MUTATIONS = [
         "                self._core_lock.acquire()\n                if True:\n                    for cmd in commands:",
         ["tests/engine/test_engine_async_failures.py"],
     ),
+    Mutation(
+        "n2-children-unseeded",
+        "n=2 with a seed: the choices are no longer seeded (the old test_n2 checked only indexes and content)",
+        "engine/engine_core.py",
+        "params, n=1, seed=None if params.seed is None else params.seed + i",
+        "params, n=1, seed=None",
+        ["tests/e2e/test_e2e_chat.py::test_n2"],
+        slow=True,
+    ),
+    Mutation(
+        "streamed-delta-clipped",
+        "streamed chat deltas lose their first character (the old concurrency test checked only all(results))",
+        "server/serving_chat.py",
+        '"delta": {"content": c.text},',
+        '"delta": {"content": c.text[1:]},',
+        ["tests/e2e/test_e2e_chat.py::test_async_client_concurrent_requests"],
+        slow=True,
+    ),
 ]
 
 
@@ -228,7 +248,7 @@ def _grouped(ids: list[str]) -> list[str]:
     return [f"`{base}`" + (f" ({n} cases)" if n > 1 else "") for base, n in counts.items()]
 
 
-def run_pytest(tree: Path, tests: list[str]) -> tuple[int, list[str]]:
+def run_pytest(tree: Path, tests: list[str], slow: bool) -> tuple[int, list[str]]:
     """pytest's exit code and the ids of the failed tests, in the scratch tree (its root first on sys.path,
     so it shadows the editable install)."""
     cmd = [
@@ -242,7 +262,7 @@ def run_pytest(tree: Path, tests: list[str]) -> tuple[int, list[str]]:
         "-p",
         "no:cacheprovider",
         "-m",
-        "not slow and not cuda",
+        "not cuda" if slow else "not slow and not cuda",
         *tests,
     ]
     proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=1800)
@@ -259,9 +279,9 @@ def demonstrate(m: Mutation) -> Outcome:
         source = target.read_text()
         if source.count(m.old) != 1:
             raise SystemExit(f"{m.name}: the edit matches {source.count(m.old)} times in {m.path}, not once")
-        clean_code, _ = run_pytest(tree, m.tests)
+        clean_code, _ = run_pytest(tree, m.tests, m.slow)
         target.write_text(source.replace(m.old, m.new))
-        code, failed = run_pytest(tree, m.tests) if clean_code == 0 else (0, [])
+        code, failed = run_pytest(tree, m.tests, m.slow) if clean_code == 0 else (0, [])
         if clean_code == 0 and code != 0 and not failed:
             failed = [f"pytest exit code {code}"]
     return Outcome(m, clean_code == 0, failed, time.monotonic() - start)
@@ -272,6 +292,9 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--slow", action="store_true", help="also the mutations whose tests start a real server"
+    )
     args = parser.parse_args()
     by_name = {m.name: m for m in MUTATIONS}
     if args.list:
@@ -280,7 +303,9 @@ def main() -> int:
     unknown = [n for n in args.names if n not in by_name]
     if unknown:
         parser.error(f"unknown mutations: {unknown}")
-    chosen = [by_name[n] for n in args.names] if args.names else MUTATIONS
+    chosen = (
+        [by_name[n] for n in args.names] if args.names else [m for m in MUTATIONS if args.slow or not m.slow]
+    )
     lines = [
         "| mutation | bug | file | tests run | result (clean copy passes first) | time |",
         "|---|---|---|---|---|---|",

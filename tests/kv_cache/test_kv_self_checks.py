@@ -100,6 +100,9 @@ def test_prefix_cache_stats_accumulate() -> None:
         stats.record(6, 2, preempted)
     assert (stats.requests, stats.queries, stats.hits) == (2, 16, 6)
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (2, 16, 6)
+    assert stats.public_hits == 0  # none given, none counted
+    stats.record(8, 8, False, num_public_hits=4)
+    assert (stats.hits, stats.public_hits) == (14, 4)
 
 
 def test_bad_arguments_are_refused_with_a_message_that_says_why() -> None:
