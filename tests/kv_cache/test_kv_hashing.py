@@ -12,9 +12,10 @@ from pathlib import Path
 import cbor2
 import pytest
 import xxhash
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kv_cache import CacheNamespace
 from kv_cache.hashing import HASH_ALGOS, BlockHasher, encode, get_hash_fn, init_none_hash
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +103,10 @@ def test_incremental_extend_equals_one_shot(tokens: list[int], cuts: list[int], 
     salt=st.one_of(st.none(), st.text(max_size=3)),
     block_size=st.integers(1, 5),
 )
+# Fixed cases on the fast path (sha256), so that a mutation run always reaches them: a LoRA key on every
+# block after the first, and a token id beyond int64 (the general encoding inside the fast path).
+@example(algo="sha256", tokens=[1, 2, 3, 4, 5, 6], salt="s", lora="l", block_size=2)
+@example(algo="xxhash", tokens=[1, 2, 2**70, 4, 5, 6], salt=None, lora=None, block_size=2)
 def test_block_hasher_matches_the_definition(
     algo: str, tokens: list[int], salt: str | None, block_size: int
 ) -> None:
@@ -115,6 +120,14 @@ def test_block_hasher_matches_the_definition(
         parent = fn((parent, tuple(tokens[i * block_size : (i + 1) * block_size]), hasher.extra_keys(i)))
         want.append(parent)
     assert got == want
+
+
+def test_bad_hasher_arguments_are_refused_with_a_message_that_says_why() -> None:
+    fn = get_hash_fn("sha256")
+    with pytest.raises(ValueError, match=r"^num_public_blocks must be >= 0, got -1$"):
+        BlockHasher(4, fn, num_public_blocks=-1)
+    with pytest.raises(ValueError, match=r"^give namespace or cache_salt, not both$"):
+        BlockHasher(4, fn, namespace=CacheNamespace(tenant="t"), cache_salt="s")
 
 
 def test_typed_extra_keys() -> None:

@@ -122,6 +122,10 @@ def test_typed_keys_go_into_the_first_private_block() -> None:
     expected = fn((expected, tokens[4:8], (("tenant", "t"), ("cache_salt", "s"))))
     assert out[1] == expected
     assert out[2] == fn((expected, tokens[8:12], None))
+    # Each kind's key is typed and carries its value: a gateway namespace is ("gateway", value).
+    full = CacheNamespace(tenant="t", gateway="g", salt="s")
+    assert full.keys() == (("tenant", "t"), ("gateway", "g"), ("cache_salt", "s"))
+    assert CacheNamespace(gateway="g").keys() == (("gateway", "g"),)
 
 
 def test_kinds_never_collide_and_cache_salt_shorthand_is_the_salt_namespace() -> None:
@@ -153,6 +157,12 @@ def test_a_namespace_repr_names_its_kinds_never_their_values() -> None:
     assert (
         repr(CacheNamespace(tenant="acme", gateway="gw", salt="s")) == "CacheNamespace(tenant, gateway, salt)"
     )
+
+
+def test_without_public_prefixes_no_block_is_public() -> None:
+    # Block size 1: a single public token would already make block 0 public.
+    mgr = KVCacheManager(8, 1)
+    assert mgr.make_hasher(CacheNamespace(tenant="t"), [5, 6, 7]).num_public_blocks == 0  # type: ignore[union-attr]
 
 
 def test_public_prefixes_declared_later_apply_to_later_requests() -> None:

@@ -82,6 +82,21 @@ def test_manager_check_invariants_names_each_corruption() -> None:
     mgr.check_invariants()
 
 
+def test_check_invariants_refuses_a_forgotten_block_that_is_cached_again_or_free() -> None:
+    pool = BlockPool(4)
+    ids = pool.take(2)
+    pool.cache(ids, [b"h0", b"h1"], owners=[("tenant", "a")] * 2)
+    assert pool.forget(("tenant", "a")) == 2
+    pool.check_invariants([ids])  # forgotten while in use, holding no hash: as it should be
+    pool.cache(ids[:1], [b"h0"])  # a forgotten block must never become findable again
+    with _raises(f"forgotten block {ids[0]} is cached or free"):
+        pool.check_invariants([ids])
+    pool = BlockPool(4)
+    pool.forgotten.add(3)  # free: a forgotten block must still be in use
+    with _raises("forgotten block 3 is cached or free"):
+        pool.check_invariants([])
+
+
 def test_cache_refuses_ids_and_hashes_of_different_lengths() -> None:
     pool = BlockPool(4)
     ids = pool.take(2)
