@@ -187,16 +187,25 @@ MUTATIONS = [
         "disconnect-no-abort",
         "a client disconnect mid-stream no longer aborts the engine request",
         "server/generation.py",
-        "                    with suppress(Exception):\n                        await self._engine.abort(rid)\n",
-        "                    pass\n",
+        # Closing the engine's generators alone is an abort too (AsyncEngine.generate aborts on aclose), so
+        # the bug is a close() that does neither.
+        "        if self._closed:\n            return\n",
+        "        if True:\n            return\n",
         ["tests/server/test_server_streaming.py"],
     ),
     Mutation(
         "dead-step-keeps-lock",
         "a step that dies keeps the core lock (health probes then hang)",
         "engine/async_engine.py",
-        "                with self._core_lock:\n                    for cmd in commands:",
-        "                self._core_lock.acquire()\n                if True:\n                    for cmd in commands:",
+        "                with self._core_lock:\n"
+        "                    for cmd in commands:  # in order: an abort's last output before a new request by its id\n"
+        "                        self._dispatch(self._apply(cmd))\n"
+        "                    outputs = self._core.step() if self._core.has_work() else []\n",
+        "                self._core_lock.acquire()  # released only when the step returns\n"
+        "                for cmd in commands:\n"
+        "                    self._dispatch(self._apply(cmd))\n"
+        "                outputs = self._core.step() if self._core.has_work() else []\n"
+        "                self._core_lock.release()\n",
         ["tests/engine/test_engine_async_failures.py"],
     ),
     Mutation(

@@ -3,11 +3,14 @@
 Score = killed / (killed + survived), counting timeouts and crashes as killed (the test run noticed) and
 leaving out mutants not checked in this run. A survivor listed in mutmut-equivalents.md counts as
 equivalent, not as survived; survivors not listed there are printed, so that each gets a test or a line.
-Run from the repository root after `mutmut run`: `python tests/mutation_score.py`.
+Each module's list there names the git blob of the source it was judged on: mutant numbers shift when the
+source changes, so a list judged on another version counts for nothing (its survivors show as unlisted) until
+it is re-judged. Run from the repository root after `mutmut run`: `python tests/mutation_score.py`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -37,15 +40,33 @@ class Score:
         )
 
 
-def equivalents() -> set[str]:
-    """Mutant names listed (in backticks, first on their line) in mutmut-equivalents.md."""
+def git_blob(path: Path) -> str:
+    """What `git hash-object path` prints, without needing git."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def equivalents() -> tuple[set[str], list[str]]:
+    """Mutant names listed (in backticks, first on their line) in mutmut-equivalents.md under a `## module`
+    heading whose `blob` line matches the module's current source; and a warning per stale module list."""
     if not EQUIVALENTS.is_file():
-        return set()
-    return set(re.findall(r"^- `([^`]+)`", EQUIVALENTS.read_text(), flags=re.MULTILINE))
+        return set(), []
+    listed: set[str] = set()
+    stale: list[str] = []
+    for section in re.split(r"^## ", EQUIVALENTS.read_text(), flags=re.MULTILINE)[1:]:
+        module = section.split(None, 1)[0]
+        names = re.findall(r"^- `([^`]+)`", section, flags=re.MULTILINE)
+        judged = re.search(r"^Judged on blob `([0-9a-f]{40})`", section, flags=re.MULTILINE)
+        source = ROOT / module
+        if judged and source.is_file() and judged.group(1) == git_blob(source):
+            listed.update(names)
+        else:
+            stale.append(f"{module}: its {len(names)} entries were judged on another version; re-judge them")
+    return listed, stale
 
 
 def scores(mutants_dir: Path) -> dict[str, Score]:
-    listed = equivalents()
+    listed, _ = equivalents()
     out: dict[str, Score] = {}
     for meta in sorted(mutants_dir.rglob("*.py.meta")):
         module = str(meta.relative_to(mutants_dir))[: -len(".meta")]
@@ -75,6 +96,8 @@ def main() -> int:
     for module, score in result.items():
         if score.killed or score.survived or score.equivalent or score.no_tests:
             print(score.line(module))
+    for warning in equivalents()[1]:
+        print(f"stale: {warning}")
     unlisted = [name for s in result.values() for name in s.survived + s.no_tests]
     if unlisted:
         print(f"\n{len(unlisted)} survivors neither killed nor listed in {EQUIVALENTS.name}:")

@@ -155,3 +155,41 @@ def test_preemptions_are_counted_and_a_rehit_does_not_rewrite_the_first_hit() ->
     # The hit reported is the one at first scheduling (none), not the re-admission's 4 cached tokens.
     assert b.num_cached_tokens == 0
     assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_a_scheduled_request_carries_its_grammar_to_the_runner() -> None:
+    # The runner masks a constrained row's logits with the grammar it finds here (structured outputs).
+    sched = make()
+    free = add(sched, "free", 3)
+    constrained = add(sched, "json", 3)
+    constrained.grammar = object()  # type: ignore[assignment]  # the scheduler only hands it on
+    out = sched.schedule()
+    grammars = {s.request_id: s.grammar for s in out.scheduled}
+    assert grammars == {"free": None, "json": constrained.grammar} and free.grammar is None
+
+
+def test_check_invariants_names_each_corruption() -> None:
+    sched = make()
+    add(sched, "a", 3)
+    add(sched, "b", 3)
+    step(sched)
+    sched.check_invariants()
+    sched._num_running["ghost"] += 1
+    with pytest.raises(AssertionError, match="^per-owner running counts drifted$"):
+        sched.check_invariants()
+    sched._num_running["ghost"] -= 1
+    sched._num_running += type(sched._num_running)()  # drop the zero count again
+    lost = sched.running.pop()
+    with pytest.raises(AssertionError):
+        sched.check_invariants()
+    sched.running.append(lost)
+    sched.check_invariants()
+    sched.max_num_seqs = 2  # exactly full is fine, one more running than allowed is not
+    sched.check_invariants()
+    sched.max_num_seqs = 1
+    with pytest.raises(AssertionError):
+        sched.check_invariants()
+    sched.max_num_seqs = 8
+    sched.requests["ghost"] = sched.requests["a"]  # in neither queue
+    with pytest.raises(AssertionError, match="^a request is lost or in two queues$"):
+        sched.check_invariants()
