@@ -16,7 +16,7 @@ from openapi_spec_validator import OpenAPIV31SpecValidator
 from server_helpers import assert_error, chat_body, completion_body
 
 from server.app import create_app
-from server.protocol import UNKNOWN_FIELDS
+from server.protocol import UNKNOWN_FIELDS, _UnknownFieldLog
 
 OPENAI_SPEC = Path(__file__).resolve().parent / "openai-openapi-subset.yaml"
 # Our request model -> OpenAI's request schema, by the route both serve.
@@ -167,3 +167,17 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(
     # Known fields, the salt among them, are never reported.
     assert client.post("/v1/completions", json=completion_body(cache_salt="t", top_k=2)).status_code == 200
     assert unknown_lines() == []
+
+
+def test_the_unknown_field_log_shortens_long_names_and_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    log = _UnknownFieldLog()  # a fresh one: the shared log's state depends on the tests before
+    log.MAX_NAMES = 2
+    caplog.set_level(logging.DEBUG, logger="brine.server")
+    log.log("M", {"a" * 64, "b" * 65, "c"})
+    log.log("M", {"a" * 64})
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, f"ignoring unknown field '{'a' * 64}' in M"),  # 64 characters: shown whole
+        (logging.WARNING, f"ignoring unknown field '{'b' * 64}...' in M"),  # longer: cut at 64
+        (logging.DEBUG, "ignoring unknown field 'c' in M"),  # past the bound: debug, not remembered
+        (logging.DEBUG, f"ignoring unknown field '{'a' * 64}' in M"),  # seen before
+    ]
