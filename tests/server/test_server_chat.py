@@ -203,3 +203,12 @@ def test_request_cannot_replace_the_chat_template(client: TestClient, engine: Fa
     tokenize = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kwargs}
     assert_error(client.post("/tokenize", json=tokenize), 400, "chat_template_kwargs")
     assert engine.calls == [] and engine.tokenizer.template_calls == []
+    # A top-level chat_template is refused the same way, with a message that says where the template comes from.
+    for path, body in (
+        ("/v1/chat/completions", chat_body(chat_template="x")),
+        ("/tokenize", {**tokenize, "chat_template": "x"}),
+    ):
+        err = assert_error(client.post(path, json=body), 400, "chat_template")
+        assert (
+            err["message"] == "chat_template is not supported: the chat template always comes from the model."
+        )
