@@ -212,3 +212,12 @@ def test_request_cannot_replace_the_chat_template(client: TestClient, engine: Fa
         assert (
             err["message"] == "chat_template is not supported: the chat template always comes from the model."
         )
+
+
+def test_a_structured_output_request_hands_its_constraint_to_the_engine(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    client.post("/v1/chat/completions", json=chat_body(max_tokens=5))
+    assert engine.calls[-1].params.structured is None
+    client.post("/v1/chat/completions", json=chat_body(max_tokens=5, response_format={"type": "json_object"}))
+    assert engine.calls[-1].params.structured is not None and engine.calls[-1].params.structured.kind

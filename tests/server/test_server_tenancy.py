@@ -89,7 +89,8 @@ def test_tenant_routes_and_operator_routes(
 ) -> None:
     r = tenant_client.request(method, path, json=body, headers=bearer(ACME))
     if tenant_status == 403:
-        assert_error(r, 403, code="permission_denied")
+        err = assert_error(r, 403, code="permission_denied")
+        assert err["message"] == "This route is the server operator's: a tenant's API key cannot use it."
     else:
         assert r.status_code == tenant_status, r.text
     operator = tenant_client.request(method, path, json=body, headers=bearer(OPERATOR))

@@ -290,6 +290,50 @@ def test_the_body_limit_is_inclusive_and_counts_every_chunk(engine: FakeEngine) 
     assert status == 413 and json.loads(payload) == too_large
 
 
+def test_only_bodies_of_post_put_and_patch_are_capped(engine: FakeEngine) -> None:
+    from server.app import create_app
+
+    client = TestClient(create_app(engine, max_body_bytes=10))
+    # A GET's body is never read, so it is never refused (the route ignores it).
+    assert client.request("GET", "/v1/models", content=b"x" * 100).status_code == 200
+
+
+def test_a_request_message_without_a_body_key_counts_as_empty(engine: FakeEngine) -> None:
+    # ASGI makes "body" optional (default b""): a server may send the last message without one.
+    from server.app import create_app
+
+    app = create_app(engine, max_body_bytes=1000)
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2}' % MODEL.encode()
+    messages = [{"type": "http.request", "body": body, "more_body": True}, {"type": "http.request"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if not messages:
+            await asyncio.Event().wait()  # the client stays until the answer is sent
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": COMPLETIONS,
+        "raw_path": COMPLETIONS.encode(),
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "root_path": "",
+        "asgi": {"version": "3.0"},
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 200
+    assert json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["usage"]["prompt_tokens"] > 0
+
+
 async def _asgi_post(app, chunks: list[bytes], headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, bytes]:
     messages = [
         {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
