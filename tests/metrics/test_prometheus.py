@@ -199,3 +199,22 @@ def test_cpu_scale_latencies_land_in_distinct_finite_buckets(name: str) -> None:
     finite = [(le, v) for le, v in buckets if le != float("inf")]
     assert finite[-1][1] == len(seconds)  # every observation is below the largest finite bound
     assert len({v for _, v in finite if 0 < v}) == len(seconds)  # and each one in a bucket of its own
+
+
+def test_structured_output_requests_by_kind_and_grammar_compile_times() -> None:
+    log = PrometheusStatLogger(MODEL)
+    log.count_structured_output("json_schema")
+    log.count_structured_output("json_schema")
+    log.count_structured_output("regex")
+    log.count_structured_output("no-such-kind")  # not a kind: ignored, never a new series
+    counts = {
+        kind: value(log, "brine_structured_output_requests_total", kind=kind)
+        for kind in ("json_object", "json_schema", "regex", "choice", "grammar")
+    }
+    assert counts == {"json_object": 0, "json_schema": 2, "regex": 1, "choice": 0, "grammar": 0}
+    assert not any(dict(labels).get("kind") == "no-such-kind" for _, labels in samples(log))
+    log.observe_grammar_compile(0.003)
+    log.observe_grammar_compile(0.2)
+    assert value(log, "brine_grammar_compile_seconds_count") == 2
+    assert value(log, "brine_grammar_compile_seconds_sum") == pytest.approx(0.203)
+    assert value(log, "brine_grammar_compile_seconds_bucket", le="0.005") == 1
