@@ -54,17 +54,18 @@ MUTATIONS = [
     Mutation(
         "stream-cached-tokens",
         "streaming /v1/completions drops usage.prompt_tokens_details.cached_tokens",
-        "server/serving_completion.py",
-        "    async for p, out in stream:\n        check_output(out)\n"
-        "        state.cached[p] = max(state.cached[p], out.num_cached_tokens)\n",
-        "    async for p, out in stream:\n        check_output(out)\n",
+        "server/serving.py",
+        "        async for p, out in stream:\n            for c in self._outputs(p, out):\n                for chunk in",
+        "        async for p, out in stream:\n"
+        "            out = __import__('dataclasses').replace(out, num_cached_tokens=0)  # the stream path only\n"
+        "            for c in self._outputs(p, out):\n                for chunk in",
         ["tests/server/test_server_streaming.py"],
     ),
     Mutation(
         "generate-no-abort",
         "AsyncEngine.generate no longer aborts on aclose() / cancellation",
         "engine/async_engine.py",
-        'if not finished:\n                self._inbox.put(("abort", request_id))',
+        "if not finished:\n                self._inbox.put(_Abort(request_id))",
         "if not finished:\n                pass",
         [
             "tests/engine/test_async_engine.py::test_closing_the_iterator_aborts_and_frees_blocks",
@@ -199,11 +200,13 @@ MUTATIONS = [
         "engine/async_engine.py",
         "                with self._core_lock:\n"
         "                    for cmd in commands:  # in order: an abort's last output before a new request by its id\n"
-        "                        self._dispatch(self._apply(cmd))\n"
+        "                        if not isinstance(cmd, _Stop):\n"
+        "                            self._dispatch(self._apply(cmd))\n"
         "                    outputs = self._core.step() if self._core.has_work() else []\n",
         "                self._core_lock.acquire()  # released only when the step returns\n"
         "                for cmd in commands:\n"
-        "                    self._dispatch(self._apply(cmd))\n"
+        "                    if not isinstance(cmd, _Stop):\n"
+        "                        self._dispatch(self._apply(cmd))\n"
         "                outputs = self._core.step() if self._core.has_work() else []\n"
         "                self._core_lock.release()\n",
         ["tests/engine/test_engine_async_failures.py"],
@@ -221,8 +224,8 @@ MUTATIONS = [
         "streamed-delta-clipped",
         "streamed chat deltas lose their first character (the old concurrency test checked only all(results))",
         "server/serving_chat.py",
-        '"delta": {"content": c.text},',
-        '"delta": {"content": c.text[1:]},',
+        'delta = {"content": c.text}',
+        'delta = {"content": c.text[1:]}',
         ["tests/e2e/test_e2e_chat.py::test_async_client_concurrent_requests"],
         slow=True,
     ),

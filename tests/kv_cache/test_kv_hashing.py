@@ -58,7 +58,8 @@ def test_encode_is_injective_on_tricky_pairs() -> None:
         ((b"", [1]), (b"\x01", [])),
         ([2**63], [2**63 - 1]),
         ([-1], [2**64 - 1]),
-        ([-(2**70)], [2**70]),  # negative ints beyond int64 encode too (two's complement), apart from positive
+        # Negative ints beyond int64 encode too (two's complement), apart from the positive one.
+        ([-(2**70)], [2**70]),
         ((("cache_salt", "x"),), (("lora", "x"),)),
     ]
     for a, b in pairs:
