@@ -5,6 +5,7 @@ or accounted wrongly shows even when a later top-up would hide it over a run (mu
 
 from __future__ import annotations
 
+from engine.config import EngineConfig
 from engine.outputs import RunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -13,13 +14,8 @@ from kv_cache import KVCacheManager
 
 
 def make(budget: int, max_num_seqs: int = 8) -> Scheduler:
-    return Scheduler(
-        KVCacheManager(64, 4),
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=256,
-        eos_token_ids=[0],
-    )
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256)
+    return Scheduler(KVCacheManager(64, 4), config, eos_token_ids=[0])
 
 
 def add(sched: Scheduler, rid: str, n: int, owner: str) -> None:

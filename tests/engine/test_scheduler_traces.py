@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.outputs import RunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -322,9 +323,8 @@ TRACES: dict[int, tuple[Workload, list[str]]] = {
 def replay(workload: Workload) -> list[str]:
     num_blocks, max_num_seqs, budget, adds = workload
     kv = KVCacheManager(num_blocks, 4)
-    sched = Scheduler(
-        kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64, eos_token_ids=[0]
-    )
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64)
+    sched = Scheduler(kv, config, eos_token_ids=[0])
     steps: list[str] = []
     for t in range(60):
         for at, rid, owner, n, max_tokens in adds:
