@@ -6,8 +6,13 @@ launch-blocking run): the default model's attention shape (9 query heads, 3 KV h
 512-token fresh prefill (32 query tiles, up to 32 partial blocks each) over a block table in descending
 physical order that reaches block 1, with 33 cache blocks; also with 513 blocks and prompts up to 8,192 tokens.
 The same 512-token prompt over blocks 512..481 of 513 ran clean. Padding the index columns or making K/V
-contiguous did not help. These tests pin those shapes, so that `make gpu-check` fails on the bug instead of
-only the benchmark crashing; they need an NVIDIA GPU and skip elsewhere.
+contiguous did not help.
+
+These tests check flex against SDPA in those shapes, and the benchmark's two-runner sequence on a 2-layer
+model. On the same H200 they all PASSED (6 of 6, in a later call): the fault needs more of the benchmark's
+context (its 30-layer model with the 49,152-token vocabulary, transformers' copy on the same GPU), so the
+reproducer is still `benchmarks/prefill_bench.py --device cuda --lengths 512` with `CUDA_LAUNCH_BLOCKING=1`.
+They stay as guards of the shapes; they need an NVIDIA GPU and skip elsewhere.
 """
 
 from __future__ import annotations
