@@ -17,18 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_config import TINY
 from torch.overrides import TorchFunctionMode
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=256,
-    initializer_range=0.1,  # sharper attention than the default 0.02: a wrong mask shows in the logits
-)
 
 # name -> (transformers config class name, extra config); covers each family's differences.
 ARCHS: dict[str, tuple[str, dict]] = {

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_config import TINY
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.model.config import parse_config
@@ -34,16 +35,6 @@ ROPES = {
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
     "llama3": LLAMA31_ROPE,
 }
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-)
 
 
 def _hf_config(rope: dict, **extra) -> transformers.LlamaConfig:
