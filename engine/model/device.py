@@ -81,12 +81,41 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_backend(device: torch.device, head_dim: int, batch_invariant: bool = True) -> AttentionBackend:
-    """The attention a freshly loaded model starts with: tiled (batch-invariant) on CPU, SDPA otherwise."""
+    """The attention a freshly loaded model starts with: batch-invariant on CPU (native where the kernels
+    build, else tiled), SDPA otherwise."""
     if batch_invariant and device.type == "cpu":
-        from engine.model.tiled_attention import TiledBackend
-
-        return TiledBackend(device, head_dim)
+        return cpu_invariant_backend(device, head_dim)
     return SdpaBackend(device)
+
+
+def cpu_invariant_backend(
+    device: torch.device, head_dim: int | None, choice: str = "auto"
+) -> AttentionBackend:
+    """Brine's C++ paged attention (`native_attention`) where it builds, else the tiled torch one. `choice`
+    "native" insists (an error where it cannot build), "tiled" never tries."""
+    if choice != "tiled":
+        from engine.model.native_kernels import load
+
+        kernels, why = load()
+        if kernels is not None:
+            from engine.model.native_attention import NativeBackend
+
+            return NativeBackend(kernels)
+        if choice == "native":
+            raise RuntimeError(f"BRINE_ATTENTION_BACKEND=native, but the kernels are not available: {why}")
+        _warn_no_native(why)
+    from engine.model.tiled_attention import TiledBackend
+
+    return TiledBackend(device, head_dim)
+
+
+@functools.cache
+def _warn_no_native(why: str) -> None:
+    logger.warning(
+        "CPU attention: the tiled torch backend (it copies each context every layer, so cached prompts cost "
+        "more), because Brine's C++ kernels are not available: %s",
+        why,
+    )
 
 
 def select_backend(
@@ -100,12 +129,17 @@ def select_backend(
 ) -> AttentionBackend:
     """FlexAttention on CUDA (reads K/V in place); on CPU the tiled backend, or SDPA without batch invariance.
 
-    BRINE_ATTENTION_BACKEND=tiled|sdpa|flex overrides the choice (flex on CPU runs compiled, for testing).
+    BRINE_ATTENTION_BACKEND=native|tiled|sdpa|flex overrides the choice (flex on CPU runs compiled, for
+    testing).
     """
     choice = os.environ.get("BRINE_ATTENTION_BACKEND", "auto").strip().lower()
-    if choice not in ("auto", "tiled", "sdpa", "flex"):
-        raise ValueError(f"BRINE_ATTENTION_BACKEND must be auto, tiled, sdpa or flex, got {choice!r}")
-    if choice == "tiled" or (choice == "auto" and device.type == "cpu" and batch_invariant):
+    if choice not in ("auto", "native", "tiled", "sdpa", "flex"):
+        raise ValueError(f"BRINE_ATTENTION_BACKEND must be auto, native, tiled, sdpa or flex, got {choice!r}")
+    if choice in ("native", "tiled") or (choice == "auto" and device.type == "cpu" and batch_invariant):
+        if device.type != "cpu" and choice == "native":
+            raise ValueError("BRINE_ATTENTION_BACKEND=native runs on CPU only")
+        if device.type == "cpu":
+            return cpu_invariant_backend(device, head_dim, choice)
         from engine.model.tiled_attention import TiledBackend
 
         return TiledBackend(device, head_dim)

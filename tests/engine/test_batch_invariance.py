@@ -105,10 +105,26 @@ class _Cache:
         return list(out.split(meta.query_lens))
 
 
+def _cpu_backend(name: str, dim: int):
+    if name == "tiled":
+        return TiledBackend(CPU, dim)
+    from engine.model.native_attention import NativeBackend
+    from engine.model.native_kernels import load
+
+    kernels, why = load()
+    if kernels is None:
+        pytest.skip(f"Brine's C++ kernels are not available here: {why}")
+    return NativeBackend(kernels)
+
+
+# dim 32: the native kernel's generic build (any block size and head_dim); dim 64 with block size 16: its
+# specialised one (the default model's shape).
+@pytest.mark.parametrize("dim", [32, 64])
+@pytest.mark.parametrize("backend", ["tiled", "native"])
 @pytest.mark.parametrize("window", [None, 40], ids=["causal", "window40"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_rows_are_the_same_alone_chunked_batched_and_padded(dtype, window):
-    _check_attention_invariance(_Cache(dtype, window))
+def test_attention_rows_are_the_same_alone_chunked_batched_and_padded(dtype, window, backend, dim):
+    _check_attention_invariance(_Cache(dtype, window, dim=dim, backend=_cpu_backend(backend, dim)))
 
 
 @pytest.mark.cuda
@@ -145,8 +161,9 @@ def _check_attention_invariance(c: _Cache) -> None:
     assert torch.equal(mixed[1], alone[100:250])
 
 
-def test_attention_matches_a_float64_softmax():
-    c = _Cache(torch.float32)
+@pytest.mark.parametrize("backend", ["tiled", "native"])
+def test_attention_matches_a_float64_softmax(backend):
+    c = _Cache(torch.float32, backend=_cpu_backend(backend, 32))
     table = c.table(130)
     out = c.run([(0, 0, 130, table)])[0].double()
     q = c.queries(0, 130).double()

@@ -1,0 +1,291 @@
+// Batch-invariant paged attention for CPU that reads the KV cache in place (engine/model/native_attention.py).
+//
+// One work item is (a few consecutive query tokens of one request, one KV head). It walks the request's block
+// table from its first visible block to its last, converting each block's keys (transposed) and values to
+// float32 once, and runs every row of the item (token x query head of the GQA group) over it with an online
+// softmax. Nothing is gathered into contiguous tensors, so a cached context costs only its reads.
+//
+// Invariance: each row's arithmetic is a fixed sequence that depends only on its own query, its own visible
+// keys (by absolute position) and the block size. Which other rows share its item, the batch, the chunking of
+// its prompt, which physical blocks hold its keys and the thread count change none of it:
+//   - a key's score is a dot product over head_dim in a fixed order (explicit fmaf; -ffp-contract=off keeps
+//     the compiler from fusing anything else differently in different loops);
+//   - keys are visited block by block in position order; a block's max, weights and sum use only the row's
+//     visible keys (hidden ones get weight exactly 0);
+//   - the row's running (max, sum, output) is rescaled once per block.
+// So the tests compare rows computed alone, chunked, batched and with other tables bit for bit.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kDtypeF32 = 0;
+constexpr int kDtypeBF16 = 1;
+constexpr int kDtypeF16 = 2;
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+template <int DT>
+inline float load(const void* p, int64_t i) {
+    if constexpr (DT == kDtypeF32) {
+        return static_cast<const float*>(p)[i];
+    } else if constexpr (DT == kDtypeBF16) {
+        return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    } else {
+        return static_cast<float>(static_cast<const _Float16*>(p)[i]);
+    }
+}
+
+template <int DT>
+inline void store(void* p, int64_t i, float x) {
+    if constexpr (DT == kDtypeF32) {
+        static_cast<float*>(p)[i] = x;
+    } else if constexpr (DT == kDtypeBF16) {
+        static_cast<uint16_t*>(p)[i] = f32_to_bf16(x);
+    } else {
+        static_cast<_Float16*>(p)[i] = static_cast<_Float16>(x);
+    }
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), written so that the compiler vectorises a loop of it.
+inline float exp_nonpos(float x) {
+    x = x > -87.0f ? x : -87.0f;  // also maps -inf (a first block's old max) to a tiny weight
+    // n = round(x / ln 2) by the 1.5 * 2^23 trick (floorf would not vectorise without -fno-trapping-math)
+    const float magic = 12582912.0f;
+    const float n = (x * 1.44269504088896341f + magic) - magic;
+    float r = std::fma(n, -0.693359375f, x);
+    r = std::fma(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    const float y = std::fma(p * r, r, r) + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } scale;
+    scale.i = (static_cast<int32_t>(n) + 127) << 23;
+    return y * scale.f;
+}
+
+struct Args {
+    const void* q;
+    int64_t q_stride_t, q_stride_h;  // elements; head_dim is contiguous
+    const void* k_cache;             // [num_blocks, block_size, kv_heads, head_dim], contiguous
+    const void* v_cache;
+    void* out;                       // [tokens, heads, head_dim], contiguous
+    const int32_t* items;            // [num_items, 5]: first token, tokens, first position, context, table row
+    int64_t num_items;
+    const int32_t* tables;           // [rows, table_width] block ids
+    int64_t table_width;
+    int heads, kv_heads, head_dim, block_size;
+    int causal, window;              // window <= 0: none; else key k visible to query p iff k > p - window
+    float scale;
+};
+
+constexpr int kRowBlock = 4;    // rows whose scores are computed together: independent FMA chains, same bits
+constexpr int kMaxBlock = 256;  // largest block size and head_dim of the generic instantiation
+constexpr int kMaxDim = 512;
+
+// BSC, DC: block size and head_dim fixed at compile time (0: taken from the arguments). The fixed ones let the
+// compiler keep a row block's scores and a row's output in registers; the arithmetic is the same.
+template <int DT, int BSC, int DC>
+void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) {
+    const int32_t* it = a.items + item * 5;
+    const int tok0 = it[0], ntok = it[1], pos0 = it[2], ctx = it[3];
+    const int32_t* table = a.tables + static_cast<int64_t>(it[4]) * a.table_width;
+    const int G = a.heads / a.kv_heads, R = ntok * G;
+    const int BS = BSC ? BSC : a.block_size, D = DC ? DC : a.head_dim;
+    const int RP = (R + kRowBlock - 1) / kRowBlock * kRowBlock;  // rows padded with zero queries
+
+    buf.assign(static_cast<size_t>(RP) * (D + BS) + static_cast<size_t>(R) * (D + 2) +
+                   static_cast<size_t>(BS) * (2 * D + 1), 0.0f);
+    float* qf = buf.data();    // [RP, D] scaled queries (pad rows 0)
+    float* s = qf + RP * D;    // [RP, BS] this block's scores
+    float* acc = s + RP * BS;  // [R, D] running weighted sum of values
+    float* m = acc + R * D;    // [R] running max
+    float* l = m + R;          // [R] running sum of weights
+    float* kt = l + R;         // [D, BS] this block's keys, transposed
+    float* vf = kt + D * BS;   // [BS, D] this block's values
+    float* p = vf + BS * D;    // [BS] one row's weights
+
+    int lo_all = ctx, hi_all = 0;
+    for (int t = 0; t < ntok; ++t) {
+        const int pos = pos0 + t;
+        lo_all = std::min(lo_all, a.window > 0 ? std::max(0, pos - a.window + 1) : 0);
+        hi_all = std::max(hi_all, a.causal ? pos + 1 : ctx);
+        for (int g = 0; g < G; ++g) {
+            const int r = t * G + g;
+            const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
+            for (int d = 0; d < D; ++d) qf[r * D + d] = load<DT>(a.q, qo + d) * a.scale;
+            m[r] = -INFINITY;
+        }
+    }
+    const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * D;  // between positions of one block
+    for (int b = lo_all / BS; b * BS < hi_all; ++b) {
+        const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
+        for (int j = 0; j < BS; ++j) {
+            for (int d = 0; d < D; ++d) {
+                kt[d * BS + j] = load<DT>(a.k_cache, base + j * key_stride + d);
+                vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
+            }
+        }
+        // Scores of every row for every key of the block: s[r, j] = sum over d, in order, of q[r, d] k[j, d].
+        for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
+            // Four separate accumulators (not one 2-D array), so that the compiler keeps all in registers.
+            constexpr int W = BSC ? BSC : kMaxBlock;
+            float s0[W], s1[W], s2[W], s3[W];
+            for (int j = 0; j < BS; ++j) s0[j] = s1[j] = s2[j] = s3[j] = 0.0f;
+            const float* q0 = qf + r0 * D;
+            for (int d = 0; d < D; ++d) {
+                const float* kd = kt + d * BS;
+                const float a0 = q0[d], a1 = q0[D + d], a2 = q0[2 * D + d], a3 = q0[3 * D + d];
+                for (int j = 0; j < BS; ++j) {
+                    s0[j] = std::fma(a0, kd[j], s0[j]);
+                    s1[j] = std::fma(a1, kd[j], s1[j]);
+                    s2[j] = std::fma(a2, kd[j], s2[j]);
+                    s3[j] = std::fma(a3, kd[j], s3[j]);
+                }
+            }
+            float* sr = s + r0 * BS;
+            for (int j = 0; j < BS; ++j) {
+                sr[j] = s0[j];
+                sr[BS + j] = s1[j];
+                sr[2 * BS + j] = s2[j];
+                sr[3 * BS + j] = s3[j];
+            }
+        }
+        const int k0 = b * BS;
+        for (int t = 0; t < ntok; ++t) {
+            const int pos = pos0 + t;
+            const int vhi = std::min(a.causal ? pos + 1 : ctx, k0 + BS) - k0;  // visible keys: [vlo, vhi)
+            const int vlo = std::max(a.window > 0 ? pos - a.window + 1 : 0, k0) - k0;
+            if (vhi <= vlo) continue;
+            for (int g = 0; g < G; ++g) {
+                const int r = t * G + g;
+                const float* sr = s + r * BS;
+                // The block's max over visible keys (exact in any order), then weights (hidden keys: 0).
+                float mb = -INFINITY;
+                for (int j = 0; j < BS; ++j) {
+                    const float x = (j >= vlo && j < vhi) ? sr[j] : -INFINITY;
+                    mb = x > mb ? x : mb;
+                }
+                const float m_new = m[r] > mb ? m[r] : mb;
+                const float alpha = exp_nonpos(m[r] - m_new);  // first block: m = -inf, acc = l = 0 anyway
+                for (int j = 0; j < BS; ++j) {
+                    const float e = exp_nonpos(sr[j] - m_new);
+                    p[j] = (j >= vlo && j < vhi) ? e : 0.0f;
+                }
+                float sum = 0.0f;  // in key order
+                for (int j = vlo; j < vhi; ++j) sum += p[j];
+                l[r] = std::fma(l[r], alpha, sum);
+                // Output += weights x values, key by key in order, 64 columns at a time in four registers.
+                float* ar = acc + r * D;
+                int d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) {
+                    float o0[16], o1[16], o2[16], o3[16];
+                    for (int i = 0; i < 16; ++i) {
+                        o0[i] = ar[d0 + i] * alpha;
+                        o1[i] = ar[d0 + 16 + i] * alpha;
+                        o2[i] = ar[d0 + 32 + i] * alpha;
+                        o3[i] = ar[d0 + 48 + i] * alpha;
+                    }
+                    for (int j = vlo; j < vhi; ++j) {
+                        const float pj = p[j];
+                        const float* vj = vf + j * D + d0;
+                        for (int i = 0; i < 16; ++i) {
+                            o0[i] = std::fma(pj, vj[i], o0[i]);
+                            o1[i] = std::fma(pj, vj[16 + i], o1[i]);
+                            o2[i] = std::fma(pj, vj[32 + i], o2[i]);
+                            o3[i] = std::fma(pj, vj[48 + i], o3[i]);
+                        }
+                    }
+                    for (int i = 0; i < 16; ++i) {
+                        ar[d0 + i] = o0[i];
+                        ar[d0 + 16 + i] = o1[i];
+                        ar[d0 + 32 + i] = o2[i];
+                        ar[d0 + 48 + i] = o3[i];
+                    }
+                }
+                for (int d = d0; d < D; ++d) {  // head_dim not a multiple of 64: the rest, the same arithmetic
+                    float o = ar[d] * alpha;
+                    for (int j = vlo; j < vhi; ++j) o = std::fma(p[j], vf[j * D + d], o);
+                    ar[d] = o;
+                }
+                m[r] = m_new;
+            }
+        }
+    }
+    for (int t = 0; t < ntok; ++t) {
+        for (int g = 0; g < G; ++g) {
+            const int r = t * G + g;
+            const int64_t oo = (static_cast<int64_t>(tok0 + t) * a.heads + kvh * G + g) * D;
+            const float lr = l[r] > 0.0f ? l[r] : 1.0f;  // a row that sees no key (never in a causal step): 0
+            for (int d = 0; d < D; ++d) store<DT>(a.out, oo + d, acc[r * D + d] / lr);
+        }
+    }
+}
+
+template <int DT, int BSC, int DC>
+void run_items(const Args& a, int threads) {
+    const int64_t work = a.num_items * a.kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < work; ++w)
+            attend_item<DT, BSC, DC>(a, w / a.kv_heads, static_cast<int>(w % a.kv_heads), buf);
+    }
+}
+
+template <int DT>
+void run(const Args& a, int threads) {
+    if (a.block_size == 16 && a.head_dim == 64) return run_items<DT, 16, 64>(a, threads);
+    if (a.block_size == 16 && a.head_dim == 128) return run_items<DT, 16, 128>(a, threads);
+    run_items<DT, 0, 0>(a, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bumped whenever the arguments change: the loader refuses a library that says otherwise.
+int brine_paged_attention_abi() { return 1; }
+
+int brine_paged_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
+                          const void* v_cache, void* out, const int32_t* items, int64_t num_items,
+                          const int32_t* tables, int64_t table_width, int heads, int kv_heads, int head_dim,
+                          int block_size, int causal, int window, float scale, int threads) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > kMaxDim || block_size <= 0 ||
+        block_size > kMaxBlock || threads <= 0)
+        return 1;
+    Args a{q,     q_stride_t, q_stride_h, k_cache,  v_cache,  out,        items,     num_items, tables,
+           table_width, heads,      kv_heads,   head_dim, block_size, causal, window, scale};
+    switch (dtype) {
+        case kDtypeF32: run<kDtypeF32>(a, threads); return 0;
+        case kDtypeBF16: run<kDtypeBF16>(a, threads); return 0;
+        case kDtypeF16: run<kDtypeF16>(a, threads); return 0;
+        default: return 2;
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,122 @@
+"""Batch-invariant paged attention that reads the KV cache in place: the CPU default where it builds.
+
+The tiled backend (`tiled_attention`) is made of torch ops, so every layer of every step gathers each
+request's whole context out of the paged cache into contiguous float32 tiles before multiplying: a warm
+request whose 2,000 tokens are cached paid for copying them 30 times per step, and a decode paid ~25 small
+ops of dispatch per layer. This backend hands the cache, the block tables and the queries to one C++ kernel
+per layer (`csrc/paged_attention.cpp`, built by `native_kernels`) that walks each request's blocks where
+they lie, with an online softmax in float32: the only cost that grows with cached tokens is reading them.
+
+Invariance holds by construction, not by probing: a row's arithmetic depends only on its own query, its own
+visible keys and the block size (the kernel's header says how). Its numerics differ from the tiled
+backend's in the last bits (another summation order); both agree with transformers within the model tests'
+tolerances. Where the kernels cannot be built (no compiler), `device.select_backend` keeps the tiled one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attention import AttentionMetadata
+from engine.model.native_kernels import Kernels
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_ITEM_TOKENS = 16  # query tokens of one request per work item: they share each block's conversion
+
+
+@dataclass(slots=True)
+class NativePlan:
+    items: torch.Tensor  # [num_items, 5] int32: first token, tokens, first position, context, table row
+    tables: torch.Tensor  # [requests, width] int32 block ids, padded with 0 (never read)
+    num_tokens: int
+    is_causal: bool
+
+
+def item_tokens(query_len: int) -> int:
+    """Tokens per work item for a request with `query_len` new tokens: at least four items where there are
+    enough tokens (so two threads get balanced work), at most MAX_ITEM_TOKENS. Results do not depend on it."""
+    return max(1, min(MAX_ITEM_TOKENS, -(-query_len // 4)))
+
+
+class NativeBackend:
+    """The C++ paged attention kernel (see the module docstring). CPU only."""
+
+    name = "native"
+
+    def __init__(self, kernels: Kernels) -> None:
+        self.kernels = kernels
+
+    def plan(self, meta: AttentionMetadata) -> NativePlan:
+        bs = meta.block_size
+        items: list[int] = []
+        width = 1
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+            need = -(-ctx // bs)
+            if len(meta.block_tables[i]) < need:  # the kernel would read past the table
+                raise ValueError(
+                    f"request {i}: block table has {len(meta.block_tables[i])} blocks, needs {need}"
+                )
+            width = max(width, need)
+            step = item_tokens(n)
+            first, start = ctx - n, meta.query_starts[i]
+            for a in range(0, n, step):
+                items += (start + a, min(step, n - a), first + a, ctx, i)
+        tables = torch.zeros(len(meta.block_tables), width, dtype=torch.int32)
+        for i, (ctx, table) in enumerate(zip(meta.context_lens, meta.block_tables, strict=True)):
+            need = -(-ctx // bs)
+            if need:
+                tables[i, :need] = torch.tensor(table[:need], dtype=torch.int32)
+        return NativePlan(
+            torch.tensor(items, dtype=torch.int32).view(-1, 5), tables, meta.num_tokens, meta.is_causal
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, H, D]
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        plan: NativePlan,
+        sliding_window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        t, h, d = q.shape
+        _, bs, hkv, _ = k_cache.shape
+        if q.device.type != "cpu" or k_cache.dtype != q.dtype or q.dtype not in DTYPE_CODES:
+            raise ValueError(
+                f"native attention runs on CPU float32/bfloat16/float16, got {q.dtype} on {q.device}"
+            )
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("native attention needs contiguous KV caches")
+        out = torch.empty((t, h, d), dtype=q.dtype)
+        if t == 0 or plan.items.shape[0] == 0:
+            return out
+        rc = self.kernels.paged_attention(
+            DTYPE_CODES[q.dtype],
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            plan.items.data_ptr(),
+            plan.items.shape[0],
+            plan.tables.data_ptr(),
+            plan.tables.shape[1],
+            h,
+            hkv,
+            d,
+            bs,
+            int(plan.is_causal),
+            sliding_window or 0,
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"native attention refused its arguments (code {rc}): {h} heads, {hkv} kv heads")
+        return out

@@ -1,0 +1,115 @@
+"""Brine's own CPU kernels (engine/model/csrc/): compiled once per machine with the system C++ compiler.
+
+Why not a torch C++ extension: its headers take ~30 s to compile and it needs ninja; these kernels take plain
+pointers, so one `g++` call of ~1 s builds them, and ctypes (which releases the GIL during the call) runs them.
+They are built with `-march=native` for the CPU they run on, and `-fopenmp`: torch's wheel already loaded a
+`libgomp.so.1`, so the kernels share torch's OpenMP thread team instead of starting a second one that would
+compete with it for the cores.
+
+The library is cached under `$BRINE_CACHE/kernels/`, named by a digest of the source, the flags, the
+compiler's version and this CPU's feature flags, so a changed source or a moved cache (another CPU) builds
+anew. A build writes a temporary file and renames it into place: concurrent starts never load half a file.
+Where no compiler is found or the build fails, `load()` returns None with the reason, and callers keep the
+pure-torch path (the log says which one runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model.files import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    path: Path
+    paged_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", tmp, str(SOURCE)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(path: Path) -> Kernels:
+    lib = ctypes.CDLL(str(path))
+    if lib.brine_paged_attention_abi() != ABI:
+        raise OSError(f"{path} has another ABI than {ABI}")
+    fn = lib.brine_paged_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32]
+    fn.argtypes += [ctypes.c_float, i32]
+    fn.restype = i32
+    return Kernels(path, fn)
+
+
+@functools.cache
+def load() -> tuple[Kernels | None, str]:
+    """(the kernels, "") or (None, why not). Builds them on first use on this machine (~1 s)."""
+    if os.environ.get("BRINE_NATIVE_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None, "BRINE_NATIVE_KERNELS=0"
+    compiler = _compiler()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        return None, f"kernel source missing: {e}"
+    if compiler is None:
+        return None, "no C++ compiler (g++) found"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{compiler} does not run: {e}"
+    digest = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"brine_kernels-{digest}.so"
+    try:
+        if not target.is_file():
+            logger.info("building Brine's CPU kernels with %s into %s", compiler, target)
+            _build(compiler, target)
+        return _bind(target), ""
+    except subprocess.CalledProcessError as e:
+        return None, f"{compiler} failed: {(e.stderr or '').strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"could not build or load the kernels: {e}"
