@@ -85,7 +85,9 @@ gpu-check:
 MUTANTS ?=
 mutate: $(STAMP)
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install --quiet -e '.[mutate]'
-	$(BIN)/mutmut run --max-children 2 $(foreach m,$(MUTANTS),'$(m)')
+	# One OpenMP thread: mutmut forks each mutant from a process that has run torch, and a forked child
+	# waits forever on the parent's OpenMP thread team (libgomp is not fork-safe), which cost 30 s per mutant.
+	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2 $(foreach m,$(MUTANTS),'$(m)')
 	$(BIN)/python tests/mutation_score.py
 
 clean:
