@@ -106,8 +106,18 @@ constexpr int kRowBlock = 4;    // rows whose scores are computed together: inde
 constexpr int kMaxBlock = 256;  // largest block size and head_dim of the generic instantiation
 constexpr int kMaxDim = 512;
 
+constexpr int pow2_at_least(int n) {
+    int w = 1;
+    while (w < n) w *= 2;
+    return w;
+}
+
 // BSC, DC: block size and head_dim fixed at compile time (0: taken from the arguments). The fixed ones let the
 // compiler keep a row block's scores and a row's output in registers; the arithmetic is the same.
+//
+// Two passes over the item's blocks, so that no running max has to be rescaled: the first computes every
+// score (kept for the second) and each row's exact max; the second turns scores into weights and sums
+// weights x values. Rows are (token, query head of the GQA group), a row's keys those its token may see.
 template <int DT, int BSC, int DC>
 void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) {
     const int32_t* it = a.items + item * 5;
@@ -116,40 +126,46 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     const int G = a.heads / a.kv_heads, R = ntok * G;
     const int BS = BSC ? BSC : a.block_size, D = DC ? DC : a.head_dim;
     const int RP = (R + kRowBlock - 1) / kRowBlock * kRowBlock;  // rows padded with zero queries
+    constexpr int BWC = BSC ? pow2_at_least(BSC) : 0;
+    const int BW = BWC ? BWC : pow2_at_least(BS);  // block size rounded up to a power of two: lane count
 
-    buf.assign(static_cast<size_t>(RP) * (D + BS) + static_cast<size_t>(R) * (D + 2) +
-                   static_cast<size_t>(BS) * (2 * D + 1), 0.0f);
-    float* qf = buf.data();    // [RP, D] scaled queries (pad rows 0)
-    float* s = qf + RP * D;    // [RP, BS] this block's scores
-    float* acc = s + RP * BS;  // [R, D] running weighted sum of values
-    float* m = acc + R * D;    // [R] running max
-    float* l = m + R;          // [R] running sum of weights
-    float* kt = l + R;         // [D, BS] this block's keys, transposed
-    float* vf = kt + D * BS;   // [BS, D] this block's values
-    float* p = vf + BS * D;    // [BS] one row's weights
-
-    int lo_all = ctx, hi_all = 0;
+    int lo_all = ctx, hi_all = 0;  // the keys any row of the item sees
     for (int t = 0; t < ntok; ++t) {
         const int pos = pos0 + t;
         lo_all = std::min(lo_all, a.window > 0 ? std::max(0, pos - a.window + 1) : 0);
         hi_all = std::max(hi_all, a.causal ? pos + 1 : ctx);
+    }
+    const int b_lo = lo_all / BS, b_hi = (hi_all + BS - 1) / BS;
+    const int span = (b_hi - b_lo) * BS;
+
+    buf.resize(static_cast<size_t>(RP) * (D + span) + static_cast<size_t>(R) * (D + 2 * BW) +
+               static_cast<size_t>(BS) * 2 * D);
+    float* qf = buf.data();      // [RP, D] scaled queries (pad rows 0)
+    float* sc = qf + RP * D;     // [RP, span] every score of the item
+    float* acc = sc + RP * span; // [R, D] weighted sum of values
+    float* mx = acc + R * D;     // [R, BW] max per key lane (a key's lane: its position mod the block size)
+    float* ls = mx + R * BW;     // [R, BW] sum of weights per key lane
+    float* kt = ls + R * BW;     // [D, BS] one block's keys, transposed
+    float* vf = kt + D * BS;     // [BS, D] one block's values
+
+    for (int t = 0; t < ntok; ++t) {
         for (int g = 0; g < G; ++g) {
             const int r = t * G + g;
             const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
             for (int d = 0; d < D; ++d) qf[r * D + d] = load<DT>(a.q, qo + d) * a.scale;
-            m[r] = -INFINITY;
         }
     }
+    for (int i = R * D; i < RP * D; ++i) qf[i] = 0.0f;
+    for (int i = 0; i < R * D; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < R * BW; ++i) mx[i] = -INFINITY, ls[i] = 0.0f;
+
     const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * D;  // between positions of one block
-    for (int b = lo_all / BS; b * BS < hi_all; ++b) {
+    // Pass 1: scores, s[r, k] = sum over d, in order, of q[r, d] k[k, d]; each row's max per lane.
+    for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
-        for (int j = 0; j < BS; ++j) {
-            for (int d = 0; d < D; ++d) {
-                kt[d * BS + j] = load<DT>(a.k_cache, base + j * key_stride + d);
-                vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
-            }
-        }
-        // Scores of every row for every key of the block: s[r, j] = sum over d, in order, of q[r, d] k[j, d].
+        for (int j = 0; j < BS; ++j)
+            for (int d = 0; d < D; ++d) kt[d * BS + j] = load<DT>(a.k_cache, base + j * key_stride + d);
+        const int col = (b - b_lo) * BS;
         for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
             // Four separate accumulators (not one 2-D array), so that the compiler keeps all in registers.
             constexpr int W = BSC ? BSC : kMaxBlock;
@@ -166,12 +182,12 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                     s3[j] = std::fma(a3, kd[j], s3[j]);
                 }
             }
-            float* sr = s + r0 * BS;
+            float* sr = sc + static_cast<int64_t>(r0) * span + col;
             for (int j = 0; j < BS; ++j) {
                 sr[j] = s0[j];
-                sr[BS + j] = s1[j];
-                sr[2 * BS + j] = s2[j];
-                sr[3 * BS + j] = s3[j];
+                sr[span + j] = s1[j];
+                sr[2 * span + j] = s2[j];
+                sr[3 * span + j] = s3[j];
             }
         }
         const int k0 = b * BS;
@@ -182,32 +198,54 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
-                const float* sr = s + r * BS;
-                // The block's max over visible keys (exact in any order), then weights (hidden keys: 0).
-                float mb = -INFINITY;
+                const float* sr = sc + static_cast<int64_t>(r) * span + col;
+                float* mr = mx + r * BW;
                 for (int j = 0; j < BS; ++j) {
                     const float x = (j >= vlo && j < vhi) ? sr[j] : -INFINITY;
-                    mb = x > mb ? x : mb;
+                    mr[j] = x > mr[j] ? x : mr[j];
                 }
-                const float m_new = m[r] > mb ? m[r] : mb;
-                const float alpha = exp_nonpos(m[r] - m_new);  // first block: m = -inf, acc = l = 0 anyway
+            }
+        }
+    }
+    // Each row's max: a halving tree over its lanes (max is exact in any order).
+    for (int r = 0; r < R; ++r) {
+        float* mr = mx + r * BW;
+        for (int w = BW / 2; w >= 1; w /= 2)
+            for (int j = 0; j < w; ++j) mr[j] = mr[j] > mr[j + w] ? mr[j] : mr[j + w];
+    }
+    // Pass 2: weights exp(s - max) (hidden keys exactly 0), their sums per lane, and weights x values.
+    for (int b = b_lo; b < b_hi; ++b) {
+        const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
+        for (int j = 0; j < BS; ++j)
+            for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
+        const int col = (b - b_lo) * BS;
+        const int k0 = b * BS;
+        for (int t = 0; t < ntok; ++t) {
+            const int pos = pos0 + t;
+            const int vhi = std::min(a.causal ? pos + 1 : ctx, k0 + BS) - k0;
+            const int vlo = std::max(a.window > 0 ? pos - a.window + 1 : 0, k0) - k0;
+            if (vhi <= vlo) continue;
+            for (int g = 0; g < G; ++g) {
+                const int r = t * G + g;
+                const float* sr = sc + static_cast<int64_t>(r) * span + col;
+                const float m = mx[r * BW];
+                float* lr = ls + r * BW;
+                float p[BSC ? BSC : kMaxBlock];
                 for (int j = 0; j < BS; ++j) {
-                    const float e = exp_nonpos(sr[j] - m_new);
+                    const float e = exp_nonpos(sr[j] - m);
                     p[j] = (j >= vlo && j < vhi) ? e : 0.0f;
+                    lr[j] += p[j];
                 }
-                float sum = 0.0f;  // in key order
-                for (int j = vlo; j < vhi; ++j) sum += p[j];
-                l[r] = std::fma(l[r], alpha, sum);
                 // Output += weights x values, key by key in order, 64 columns at a time in four registers.
                 float* ar = acc + r * D;
                 int d0 = 0;
                 for (; d0 + 64 <= D; d0 += 64) {
                     float o0[16], o1[16], o2[16], o3[16];
                     for (int i = 0; i < 16; ++i) {
-                        o0[i] = ar[d0 + i] * alpha;
-                        o1[i] = ar[d0 + 16 + i] * alpha;
-                        o2[i] = ar[d0 + 32 + i] * alpha;
-                        o3[i] = ar[d0 + 48 + i] * alpha;
+                        o0[i] = ar[d0 + i];
+                        o1[i] = ar[d0 + 16 + i];
+                        o2[i] = ar[d0 + 32 + i];
+                        o3[i] = ar[d0 + 48 + i];
                     }
                     for (int j = vlo; j < vhi; ++j) {
                         const float pj = p[j];
@@ -227,11 +265,10 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                     }
                 }
                 for (int d = d0; d < D; ++d) {  // head_dim not a multiple of 64: the rest, the same arithmetic
-                    float o = ar[d] * alpha;
+                    float o = ar[d];
                     for (int j = vlo; j < vhi; ++j) o = std::fma(p[j], vf[j * D + d], o);
                     ar[d] = o;
                 }
-                m[r] = m_new;
             }
         }
     }
@@ -239,7 +276,10 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
         for (int g = 0; g < G; ++g) {
             const int r = t * G + g;
             const int64_t oo = (static_cast<int64_t>(tok0 + t) * a.heads + kvh * G + g) * D;
-            const float lr = l[r] > 0.0f ? l[r] : 1.0f;  // a row that sees no key (never in a causal step): 0
+            float* lanes = ls + r * BW;  // the sum of weights: a fixed halving tree over the key lanes
+            for (int w = BW / 2; w >= 1; w /= 2)
+                for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+            const float lr = lanes[0] > 0.0f ? lanes[0] : 1.0f;  // a row that sees no key (not causal): 0
             for (int d = 0; d < D; ++d) store<DT>(a.out, oo + d, acc[r * D + d] / lr);
         }
     }
