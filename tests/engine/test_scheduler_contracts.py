@@ -193,3 +193,21 @@ def test_check_invariants_names_each_corruption() -> None:
     sched.requests["ghost"] = sched.requests["a"]  # in neither queue
     with pytest.raises(AssertionError, match="^a request is lost or in two queues$"):
         sched.check_invariants()
+
+
+def test_a_scheduler_without_max_model_len_is_refused_with_the_reason() -> None:
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=None)
+    with pytest.raises(ValueError) as e:
+        Scheduler(KVCacheManager(16, 4), config, eos_token_ids=[EOS])
+    assert str(e.value) == "the scheduler needs max_model_len (EngineCore fills in the model's)"
+
+
+def test_unreported_finishes_are_false_until_a_request_ends_and_false_again_after_a_schedule() -> None:
+    # EngineCore.has_work() reads this: True on a fresh or idle engine would spin empty steps.
+    sched = make()
+    assert sched.has_unreported_finishes() is False
+    add(sched, "r", 4, max_tokens=1)
+    step(sched)  # prefill and its one token: r finishes
+    assert sched.has_unreported_finishes() is True
+    out = sched.schedule()
+    assert out.scheduled == [] and sched.has_unreported_finishes() is False

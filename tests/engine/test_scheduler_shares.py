@@ -84,3 +84,40 @@ def test_sequence_slots_are_shared_between_owners() -> None:
     add(sched, "b1", 6, "b")
     assert step(sched) == [("a1", 6), ("b1", 6)]  # b1 takes the second slot ahead of a2
     assert step(sched) == [("a1", 1), ("b1", 1)]
+
+
+def _running_owner_a(n_blocks: int, n_seqs: int, budget: int) -> Scheduler:
+    """A scheduler whose pool holds `n_blocks` blocks of 4 tokens, with owner a running `n_seqs` 5-token
+    prompts past their prefill (2 blocks each; their next decode fits in the blocks they hold)."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256)
+    sched = Scheduler(KVCacheManager(n_blocks, 4), config, eos_token_ids=[0])
+    for i in range(n_seqs):
+        add(sched, f"a{i}", 5, "a")
+    step(sched)
+    assert [r.request_id for r in sched.running] == [f"a{i}" for i in range(n_seqs)]
+    return sched
+
+
+def test_room_for_starved_owners_counts_whole_blocks_per_waiting_head() -> None:
+    # b1 and c1 (5 tokens each) need 2 blocks each, not 1.25: with a's 3 next tokens that is 7 blocks
+    # against 6 free, so one of a's 3 sequences (above its share of 2) is preempted, its newest.
+    sched = _running_owner_a(12, 3, 30)
+    assert sched.kv.num_free_blocks == 6
+    add(sched, "b1", 5, "b")
+    add(sched, "c1", 5, "c")
+    # a2 comes back behind them in the same step, recomputing only what its freed blocks no longer hold.
+    assert step(sched) == [("a0", 1), ("a1", 1), ("b1", 5), ("c1", 5), ("a2", 2)]
+    assert sched.num_preemptions == 1 and sched.requests["a2"].num_preemptions == 1
+
+
+def test_room_for_starved_owners_preempts_until_it_is_enough() -> None:
+    # b1 (12 tokens: 3 blocks) and c1 (8: 2 blocks) plus a's 5 next tokens need 10 blocks, 6 are free. Each
+    # preemption frees a victim's 2 blocks and its next-token block: the first leaves 9 needed of 8 free,
+    # so a second one goes too (a stays above its share of 2 throughout).
+    sched = _running_owner_a(16, 5, 48)
+    assert sched.kv.num_free_blocks == 6
+    add(sched, "b1", 12, "b")
+    add(sched, "c1", 8, "c")
+    assert step(sched) == [("a0", 1), ("a1", 1), ("a2", 1), ("b1", 12), ("c1", 8), ("a3", 2), ("a4", 2)]
+    assert sched.num_preemptions == 2
+    assert [sched.requests[r].num_preemptions for r in ("a3", "a4")] == [1, 1]
