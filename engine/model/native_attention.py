@@ -5,7 +5,8 @@ request's whole context out of the paged cache into contiguous float32 tiles bef
 request whose 2,000 tokens are cached paid for copying them 30 times per step, and a decode paid ~25 small
 ops of dispatch per layer. This backend hands the cache, the block tables and the queries to one C++ kernel
 per layer (`csrc/paged_attention.cpp`, built by `native_kernels`) that walks each request's blocks where
-they lie, with an online softmax in float32: the only cost that grows with cached tokens is reading them.
+they lie, in float32 (scores and an exact max, then weights x values): the only cost that grows with cached
+tokens is reading them.
 
 Invariance holds by construction, not by probing: a row's arithmetic depends only on its own query, its own
 visible keys and the block size (the kernel's header says how). Its numerics differ from the tiled

@@ -1,19 +1,21 @@
 // Batch-invariant paged attention for CPU that reads the KV cache in place (engine/model/native_attention.py).
 //
-// One work item is (a few consecutive query tokens of one request, one KV head). It walks the request's block
-// table from its first visible block to its last, converting each block's keys (transposed) and values to
-// float32 once, and runs every row of the item (token x query head of the GQA group) over it with an online
-// softmax. Nothing is gathered into contiguous tensors, so a cached context costs only its reads.
+// One work item is (a few consecutive query tokens of one request, one KV head); its rows are (token, query
+// head of the GQA group). It walks the request's block table from its first visible block to its last,
+// twice: pass 1 converts each block's keys to float32 (transposed, so that 16 keys are one vector) and keeps
+// every row's scores and exact max; pass 2 converts each block's values and accumulates exp(score - max) x
+// value and the weights' sum. Nothing is gathered into contiguous tensors first, so a cached context costs
+// only its reads, and no running max is ever rescaled.
 //
 // Invariance: each row's arithmetic is a fixed sequence that depends only on its own query, its own visible
 // keys (by absolute position) and the block size. Which other rows share its item, the batch, the chunking of
 // its prompt, which physical blocks hold its keys and the thread count change none of it:
-//   - a key's score is a dot product over head_dim in a fixed order (explicit fmaf; -ffp-contract=off keeps
-//     the compiler from fusing anything else differently in different loops);
-//   - keys are visited block by block in position order; a block's max, weights and sum use only the row's
-//     visible keys (hidden ones get weight exactly 0);
-//   - the row's running (max, sum, output) is rescaled once per block.
-// So the tests compare rows computed alone, chunked, batched and with other tables bit for bit.
+//   - a score is a dot product over head_dim in order (explicit fmaf; -ffp-contract=off keeps the compiler
+//     from fusing anything else differently in different loops);
+//   - the max is exact in any order; hidden keys get weight exactly 0;
+//   - weights are summed per key lane (a key's position mod the block size) in position order, then the
+//     lanes by a fixed halving tree; weights x values are accumulated key by key in position order.
+// So the tests compare rows computed alone, chunked, batched, on other blocks and threads bit for bit.
 
 #include <algorithm>
 #include <cmath>
