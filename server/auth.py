@@ -121,5 +121,5 @@ async def _deny(scope: Scope, receive: Receive, send: Send, status: int) -> None
             type=INVALID_REQUEST,
             code="permission_denied",
         )
-        response = JSONResponse(body, status_code=403)
+        response = JSONResponse(body, status_code=status)
     await response(scope, receive, send)

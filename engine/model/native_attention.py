@@ -35,10 +35,13 @@ class NativePlan:
     is_causal: bool
 
 
-def item_tokens(query_len: int) -> int:
-    """Tokens per work item for a request with `query_len` new tokens: at least four items where there are
-    enough tokens (so two threads get balanced work), at most MAX_ITEM_TOKENS. Results do not depend on it."""
-    return max(1, min(MAX_ITEM_TOKENS, -(-query_len // 4)))
+def item_tokens(query_len: int, threads: int) -> int:
+    """Tokens per work item for a request with `query_len` new tokens: as many items as threads (each item
+    is then one per KV head, so there are several per thread), at most MAX_ITEM_TOKENS: bigger items convert
+    each block once for more rows. Results do not depend on it. (Measured on the default model's shape, 2
+    threads: a 16-token warm chunk over 2,000 cached tokens took 0.96 ms per layer with 4-token items, 0.80
+    with 8, 0.95 with 16, where only 3 items are left for 2 threads.)"""
+    return max(1, min(MAX_ITEM_TOKENS, -(-query_len // max(1, threads))))
 
 
 class NativeBackend:
@@ -51,6 +54,7 @@ class NativeBackend:
 
     def plan(self, meta: AttentionMetadata) -> NativePlan:
         bs = meta.block_size
+        threads = torch.get_num_threads()
         items: list[int] = []
         width = 1
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
@@ -60,7 +64,7 @@ class NativeBackend:
                     f"request {i}: block table has {len(meta.block_tables[i])} blocks, needs {need}"
                 )
             width = max(width, need)
-            step = item_tokens(n)
+            step = item_tokens(n, threads)
             first, start = ctx - n, meta.query_starts[i]
             for a in range(0, n, step):
                 items += (start + a, min(step, n - a), first + a, ctx, i)

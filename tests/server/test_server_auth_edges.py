@@ -8,6 +8,7 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from server.app import create_app
+from server.tenancy import TenancyConfig
 
 KEYS = ["key-one", "key-two"]
 
@@ -49,3 +50,51 @@ def test_only_get_and_head_of_health_are_open(engine: FakeEngine) -> None:
         assert client.head("/health").status_code != 401  # open (the route itself may not serve HEAD)
         assert client.post("/health").status_code == 401  # another method on an open path is not open
         assert client.get("/health/").status_code == 401
+
+
+def test_an_unknown_scope_type_is_refused_by_name() -> None:
+    import asyncio
+
+    import pytest
+
+    from server.auth import ApiKeyMiddleware
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("the app was called")
+
+    async def nothing():
+        return {}
+
+    middleware = ApiKeyMiddleware(app, KEYS)
+    with pytest.raises(RuntimeError) as e:
+        asyncio.run(middleware({"type": "telepathy"}, nothing, nothing))
+    assert str(e.value) == "unsupported ASGI scope type 'telepathy'"
+
+
+def test_no_token_is_never_a_tenant_even_one_listed_under_the_empty_keys_hash(engine: FakeEngine) -> None:
+    # A tenants file may list any 64-hex digest, that of "" too: no Authorization header must still be a 401,
+    # never that tenant.
+    import hashlib
+
+    tenants = {hashlib.sha256(b"").hexdigest(): "nobody"}
+    with TestClient(create_app(engine, api_keys=KEYS, tenancy=TenancyConfig(tenants=tenants))) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer "}).status_code == 401
+
+
+def test_a_tenant_on_an_operator_route_gets_the_403_body(engine: FakeEngine) -> None:
+    from server.tenants import key_hash
+
+    with TestClient(
+        create_app(engine, api_keys=KEYS, tenancy=TenancyConfig(tenants={key_hash("t-key"): "acme"}))
+    ) as client:
+        r = client.get("/metrics", headers={"Authorization": "Bearer t-key"})
+    assert r.status_code == 403
+    assert r.json() == {
+        "error": {
+            "message": "This route is the server operator's: a tenant's API key cannot use it.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "permission_denied",
+        }
+    }
