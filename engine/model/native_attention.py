@@ -68,11 +68,13 @@ class NativeBackend:
             first, start = ctx - n, meta.query_starts[i]
             for a in range(0, n, step):
                 items += (start + a, min(step, n - a), first + a, ctx, i)
-        tables = torch.zeros(len(meta.block_tables), width, dtype=torch.int32)
-        for i, (ctx, table) in enumerate(zip(meta.context_lens, meta.block_tables, strict=True)):
+        # One tensor from one flat list (a tensor per request cost ~5 us each at 64 requests).
+        flat: list[int] = []
+        for ctx, table in zip(meta.context_lens, meta.block_tables, strict=True):
             need = -(-ctx // bs)
-            if need:
-                tables[i, :need] = torch.tensor(table[:need], dtype=torch.int32)
+            flat += table[:need]
+            flat += [0] * (width - need)
+        tables = torch.tensor(flat, dtype=torch.int32).view(len(meta.block_tables), width)
         return NativePlan(
             torch.tensor(items, dtype=torch.int32).view(-1, 5), tables, meta.num_tokens, meta.is_causal
         )
