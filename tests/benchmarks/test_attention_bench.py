@@ -1,0 +1,35 @@
+"""benchmarks/attention_bench.py runs end to end and reports both backends for every case (numbers unchecked:
+speed is never asserted in tests)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_attention_bench_reports_every_case_for_both_backends() -> None:
+    from engine.model.native_kernels import load
+
+    if load()[0] is None:
+        pytest.skip(f"the native kernels are not available here: {load()[1]}")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "attention_bench.py"), "--repeats", "1", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    rows = [ln for ln in out.splitlines() if re.search(r"\d+\.\d{3} +\d+\.\d{3} +\d+\.\d\dx$", ln)]
+    assert [r.split("  ")[0].strip() for r in rows] == [
+        "decode, 128 context",
+        "decode, 2,000 context",
+        "warm: 16 new over 2,000",
+        "prefill 512",
+        "prefill 2,048",
+    ], out
