@@ -71,17 +71,20 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 @functools.cache
-def isa_summary() -> str:
-    """One line naming what decides the kernels: torch's CPU capability, AMX, AVX512-BF16, threads."""
-    flags: set[str] = set()
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+            line = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        pass
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
+
+
+@functools.cache
+def isa_summary() -> str:
+    """One line naming what decides the kernels: torch's CPU capability, AMX, AVX512-BF16, threads."""
+    flags = cpu_flags()
     model = ""
     try:
         with open("/proc/cpuinfo") as f:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model.files import cache_dir
+from engine.model.invariance import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,9 @@ class Kernels:
     paged_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's feature flags (the processor name where /proc has none)."""
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 def _compiler() -> str | None:
@@ -101,7 +99,7 @@ def load() -> tuple[Kernels | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{compiler} does not run: {e}"
     digest = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"brine_kernels-{digest}.so"
     try:

@@ -131,11 +131,13 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     constexpr int BWC = BSC ? pow2_at_least(BSC) : 0;
     const int BW = BWC ? BWC : pow2_at_least(BS);  // block size rounded up to a power of two: lane count
 
+    // The keys token t may see: positions [first_key(t), end_key(t)).
+    auto first_key = [&](int t) { return a.window > 0 ? std::max(0, pos0 + t - a.window + 1) : 0; };
+    auto end_key = [&](int t) { return a.causal ? pos0 + t + 1 : ctx; };
     int lo_all = ctx, hi_all = 0;  // the keys any row of the item sees
     for (int t = 0; t < ntok; ++t) {
-        const int pos = pos0 + t;
-        lo_all = std::min(lo_all, a.window > 0 ? std::max(0, pos - a.window + 1) : 0);
-        hi_all = std::max(hi_all, a.causal ? pos + 1 : ctx);
+        lo_all = std::min(lo_all, first_key(t));
+        hi_all = std::max(hi_all, end_key(t));
     }
     const int b_lo = lo_all / BS, b_hi = (hi_all + BS - 1) / BS;
     const int span = (b_hi - b_lo) * BS;
@@ -194,9 +196,8 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
         }
         const int k0 = b * BS;
         for (int t = 0; t < ntok; ++t) {
-            const int pos = pos0 + t;
-            const int vhi = std::min(a.causal ? pos + 1 : ctx, k0 + BS) - k0;  // visible keys: [vlo, vhi)
-            const int vlo = std::max(a.window > 0 ? pos - a.window + 1 : 0, k0) - k0;
+            const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
+            const int vlo = std::max(first_key(t), k0) - k0;
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
@@ -223,9 +224,8 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
         const int col = (b - b_lo) * BS;
         const int k0 = b * BS;
         for (int t = 0; t < ntok; ++t) {
-            const int pos = pos0 + t;
-            const int vhi = std::min(a.causal ? pos + 1 : ctx, k0 + BS) - k0;
-            const int vlo = std::max(a.window > 0 ? pos - a.window + 1 : 0, k0) - k0;
+            const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
+            const int vlo = std::max(first_key(t), k0) - k0;
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
