@@ -4,11 +4,16 @@ around the token."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from server.app import create_app
+from server.auth import ApiKeyMiddleware
 from server.tenancy import TenancyConfig
+from server.tenants import key_hash
 
 KEYS = ["key-one", "key-two"]
 
@@ -53,12 +58,6 @@ def test_only_get_and_head_of_health_are_open(engine: FakeEngine) -> None:
 
 
 def test_an_unknown_scope_type_is_refused_by_name() -> None:
-    import asyncio
-
-    import pytest
-
-    from server.auth import ApiKeyMiddleware
-
     async def app(scope, receive, send):  # never reached
         raise AssertionError("the app was called")
 
@@ -74,17 +73,13 @@ def test_an_unknown_scope_type_is_refused_by_name() -> None:
 def test_no_token_is_never_a_tenant_even_one_listed_under_the_empty_keys_hash(engine: FakeEngine) -> None:
     # A tenants file may list any 64-hex digest, that of "" too: no Authorization header must still be a 401,
     # never that tenant.
-    import hashlib
-
-    tenants = {hashlib.sha256(b"").hexdigest(): "nobody"}
+    tenants = {key_hash(""): "nobody"}
     with TestClient(create_app(engine, api_keys=KEYS, tenancy=TenancyConfig(tenants=tenants))) as client:
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer "}).status_code == 401
 
 
 def test_a_tenant_on_an_operator_route_gets_the_403_body(engine: FakeEngine) -> None:
-    from server.tenants import key_hash
-
     with TestClient(
         create_app(engine, api_keys=KEYS, tenancy=TenancyConfig(tenants={key_hash("t-key"): "acme"}))
     ) as client:
