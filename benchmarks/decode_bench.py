@@ -105,6 +105,7 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         max_num_seqs=max(levels),
         enable_prefix_caching=False,  # measure decode, not cache hits
         **({} if args.batch_invariant else {"batch_invariant": False}),  # a --baseline tree may predate it
+        **({} if args.quantization == "auto" else {"quantization": args.quantization}),  # and this
     )
     t0 = time.perf_counter()
     engine = AsyncEngine.from_config(config)
@@ -193,6 +194,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="--no-batch-invariant measures the escape hatch's kernels (SDPA, unpadded matmuls)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("auto", "none"),
+        default="auto",
+        help="none: the GGUF's weights dequantized to --dtype, as before the quantized kernel",
     )
     parser.add_argument("--baseline", type=Path, help="another checkout to compare against, side by side")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds with --baseline")

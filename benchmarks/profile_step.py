@@ -67,6 +67,7 @@ def instrument(core: EngineCore) -> None:
     import engine.model.llama as llama
     from engine.detokenizer import TextStream
     from engine.model.cpu_linear import PackedLinear
+    from engine.model.quant_linear import QuantLinear
 
     sched, runner, model = core.scheduler, core.runner, core.runner.model
     sched.schedule = _timed("scheduler.schedule", sched.schedule)
@@ -81,6 +82,7 @@ def instrument(core: EngineCore) -> None:
     llama.silu = _timed("runner.execute/model.forward/silu", llama.silu)
     llama.RMSNorm.forward = _timed("runner.execute/model.forward/rmsnorm", llama.RMSNorm.forward)
     PackedLinear.forward = _timed("runner.execute/model.forward/linears", PackedLinear.forward)
+    QuantLinear.forward = _timed("runner.execute/model.forward/linears", QuantLinear.forward)
     runner.sampler.__class__.__call__ = _timed("runner.execute/sampler", runner.sampler.__class__.__call__)
     torch.Tensor.tolist = _timed("runner.execute/host_sync(.tolist)", torch.Tensor.tolist)
     core.outputs.process = _timed("output_processor", core.outputs.process)
@@ -102,14 +104,16 @@ def step_timer() -> Iterator[None]:
         _times[k].append(v)
 
 
-def make_core(model: str | None, dtype: str) -> EngineCore:
+def make_core(model: str | None, dtype: str, quantization: str = "auto") -> EngineCore:
     from engine.config import EngineConfig
     from engine.model.files import resolve_model
     from engine.model_runner import ModelRunner
     from engine.tokenizer import Tokenizer
 
     files = resolve_model(model)
-    config = EngineConfig(model=str(files.path), dtype=dtype, num_blocks=1024, max_num_seqs=16)
+    config = EngineConfig(
+        model=str(files.path), dtype=dtype, num_blocks=1024, max_num_seqs=16, quantization=quantization
+    )
     return EngineCore(ModelRunner(config), Tokenizer(files.path), config)
 
 
@@ -239,6 +243,7 @@ PYSPY_PARTS = [
         ("TiledBackend.forward", "TiledBackend._attend", "scores ", "weighted ", "tree_sum"),
     ),
     ("model: linears (packed oneDNN)", ("PackedLinear.forward", "_linear ")),
+    ("model: linears (GGUF blocks)", ("QuantLinear.forward",)),
     ("engine thread: waiting for work", ("Queue.get", "Condition.wait")),
     (
         "asyncio: HTTP, SSE, routes",
@@ -281,6 +286,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quantization", choices=("auto", "none"), default="auto")
     ap.add_argument("--context", type=int, default=2000, help="warm prefill's prompt; decode's context")
     ap.add_argument("--decode-context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -293,7 +299,10 @@ def main() -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    core = make_core(args.model, args.dtype)
+    from engine.threads import on_fresh_thread
+
+    # As the server does: loaded on a thread that ends, stepped on another (see engine.threads).
+    core = on_fresh_thread(lambda: make_core(args.model, args.dtype, args.quantization), args.threads)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {core.runner.dtype}, "
         f"attention {core.runner.attention_backend}"

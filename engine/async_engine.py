@@ -29,7 +29,7 @@ from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import CompiledGrammar, GrammarCompiler, StructuredOutputError
-from engine.threads import default_torch_threads, set_torch_threads
+from engine.threads import default_torch_threads, on_fresh_thread, set_torch_threads
 from engine.tokenizer import Tokenizer
 from kv_cache.namespace import CacheNamespace, Owner
 
@@ -127,7 +127,8 @@ class AsyncEngine:
             endpoint = config.kv_events_endpoint
             kv_events = KVEventPublisher(endpoint, replay_endpoint_for(endpoint))
         config = dataclasses.replace(config, model=str(files.path))
-        runner = ModelRunner(config)
+        # Loaded on a thread of its own, which ends: the step thread is then the only one with an OpenMP pool.
+        runner = on_fresh_thread(lambda: ModelRunner(config), config.threads)
         if config.max_model_len is not None and config.max_model_len > runner.max_model_len:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's context length {runner.max_model_len}"

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.config import EngineConfig
 from engine.kv_store import KVStore
 from engine.model.attention import AttentionMetadata, slot_ids
+from engine.model.cpu_linear import PackedLinear
 from engine.model.device import resolve_device, resolve_dtype, select_backend
 from engine.model.loader import load_model
+from engine.model.quant_linear import QuantLinear
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.sampler import LogprobsOut, Sampler, SamplerOutput, token_logprobs
@@ -39,7 +42,7 @@ class ModelRunner:
         config: EngineConfig,
     ) -> None:
         """Reads model (a resolved directory), device, dtype, block_size, kv_cache_memory, num_blocks,
-        max_num_batched_tokens, max_num_seqs and batch_invariant from `config`."""
+        max_num_batched_tokens, max_num_seqs, batch_invariant and quantization from `config`."""
         if config.model is None:
             raise ValueError("the runner needs a model directory (engine.model.files.resolve_model)")
         block_size, num_blocks = config.block_size, config.num_blocks
@@ -48,7 +51,13 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.batch_invariant = batch_invariant
-        self.model = load_model(Path(config.model), self.device, self.dtype, batch_invariant=batch_invariant)
+        self.model = load_model(
+            Path(config.model),
+            self.device,
+            self.dtype,
+            batch_invariant=batch_invariant,
+            quantized=config.quantization == "auto",
+        )
         cfg = self.model.cfg
         self.config = cfg
         self.architecture = cfg.architecture
@@ -76,13 +85,28 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, cfg.vocab_size, cfg.eos_token_ids)
         logger.info(
-            "model %s on %s (%s), attention backend %s, batch invariance %s",
+            "model %s on %s (%s), linears %s, attention backend %s, batch invariance %s",
             self.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            self.linear_weights,
             self.attention_backend,
             "on" if batch_invariant else "off",
         )
+
+    @property
+    def linear_weights(self) -> str:
+        """How the linears hold their weights: 'N Q4_1, M Q8_0, K dense', counted over the model's modules."""
+        kinds: dict[str, int] = {}
+        for module in self.model.modules():
+            if isinstance(module, QuantLinear):
+                kind = module.kind
+            elif isinstance(module, (nn.Linear, PackedLinear)):
+                kind = "dense"
+            else:
+                continue
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
 
     @property
     def attention_backend(self) -> str:

@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         "was chunked and whatever shares its steps (default: on). --no-batch-invariant trades that for "
         "speed: SDPA attention and unpadded matmuls (see README, 'Same answer, cached or not')",
     )
+    s.add_argument(
+        "--quantization",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: a GGUF model runs its Q4_1/Q8_0 weights as stored, with Brine's CPU kernel, where the CPU "
+        "has AVX512-BF16 (decode streams a third of the bytes of bfloat16); none: dequantize every weight "
+        "to --dtype (default: auto)",
+    )
     s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
     s.add_argument(
         "--api-key",

@@ -43,6 +43,15 @@ def converted_dir_for(gguf_path: Path, cache: Path) -> Path:
     return cache / f"{gguf_path.stem.lower()}-{digest}"
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory was made from (its `complete` marker names it), if still there."""
+    try:
+        source = Path((model_dir / "complete").read_text().strip())
+    except OSError:
+        return None
+    return source if source.suffix == ".gguf" and source.is_file() else None
+
+
 def hf_tensor_name(gguf_name: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")  # suffix: weight / bias
     if base in _GLOBAL_NAMES:

@@ -9,6 +9,7 @@ tensor, an unexpected one, or a shape mismatch raises with the tensor's name.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -18,7 +19,12 @@ from safetensors import safe_open
 from engine.model.config import ModelConfig, load_config
 from engine.model.cpu_linear import pack_linears, packing_supported
 from engine.model.device import default_backend
+from engine.model.gguf_convert import gguf_source
 from engine.model.llama import LlamaForCausalLM
+from engine.model.native_kernels import load as load_kernels
+from engine.model.quant_linear import quantize_from_gguf
+
+logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # HF suffix -> (our suffix, index of the shard in the fused parameter)
@@ -81,9 +87,12 @@ def load_model(
     dtype: torch.dtype,
     pack: bool = True,
     batch_invariant: bool = True,
+    quantized: bool = True,
 ) -> LlamaForCausalLM:
     """`pack`: on CPU, pack the linear weights for oneDNN (see cpu_linear). `batch_invariant`: pad each
-    linear's rows as this machine's probe says, and attend with the tiled backend (see invariance)."""
+    linear's rows as this machine's probe says, and attend with the tiled backend (see invariance).
+    `quantized`: a model converted from a GGUF runs the file's Q4_1/Q8_0 linears as stored, where the CPU
+    can (see quant_linear); the other linears are packed."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     with torch.device("meta"):
@@ -122,7 +131,30 @@ def load_model(
     # replaces it with select_backend's choice, which knows the KV pool).
     model.attn_backend = default_backend(device, cfg.head_dim, batch_invariant)
     model.eval()
-    if pack and packing_supported(device, dtype):
-        tied = model.embed_tokens.weight if model.lm_head is None else None
-        model.packed_lm_head = pack_linears(model, tied_head=tied, probe=batch_invariant)
+    if quantized and (gguf := quantizable_gguf(model_dir, device, dtype)) is not None:
+        kernels, _ = load_kernels()
+        assert kernels is not None
+        model.packed_lm_head = quantize_from_gguf(model, gguf, cfg, kernels)
+    if pack and packing_supported(device, dtype):  # whatever is still an nn.Linear
+        tied = model.embed_tokens.weight if model.lm_head is None and model.packed_lm_head is None else None
+        head = pack_linears(model, tied_head=tied, probe=batch_invariant)
+        model.packed_lm_head = model.packed_lm_head or head
     return model
+
+
+def quantizable_gguf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Path | None:
+    """The GGUF that `model_dir` was converted from, where its quantized weights can run as stored here:
+    on the CPU, in bfloat16 or float32, with the kernel built for this CPU. None otherwise (logged)."""
+    source = gguf_source(model_dir)
+    if source is None or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    kernels, why = load_kernels()
+    if kernels is None or kernels.quant_linear is None:
+        logger.warning(
+            "%s: its quantized weights are dequantized to %s: %s",
+            source.name,
+            dtype,
+            why or "this CPU lacks AVX512-BF16, which the quantized kernel needs",
+        )
+        return None
+    return source

@@ -32,8 +32,11 @@ from engine.model.invariance import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "quant_linear.cpp")
+)
 ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
+QUANT_ABI = 1  # what brine_quant_linear_abi() must return
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -41,6 +44,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 class Kernels:
     path: Path
     paged_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
+    # None where this CPU lacks what the kernel needs (AVX512 with BF16): see quant_linear.
+    quant_linear: ctypes._CFuncPtr | None  # type: ignore[name-defined]
 
 
 def _cpu_id() -> str:
@@ -58,7 +63,7 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE)],
+            [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)],
             check=True,
             capture_output=True,
             text=True,
@@ -72,14 +77,19 @@ def _build(compiler: str, target: Path) -> None:
 
 def _bind(path: Path) -> Kernels:
     lib = ctypes.CDLL(str(path))
-    if lib.brine_paged_attention_abi() != ABI:
-        raise OSError(f"{path} has another ABI than {ABI}")
+    if lib.brine_paged_attention_abi() != ABI or lib.brine_quant_linear_abi() != QUANT_ABI:
+        raise OSError(f"{path} has another ABI than {ABI}/{QUANT_ABI}")
     fn = lib.brine_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32]
     fn.argtypes += [ctypes.c_float, i32]
     fn.restype = i32
-    return Kernels(path, fn)
+    quant = None
+    if lib.brine_quant_linear_supported():
+        quant = lib.brine_quant_linear
+        quant.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, i64, i32, i32]
+        quant.restype = i32
+    return Kernels(path, fn, quant)
 
 
 @functools.cache
@@ -89,7 +99,7 @@ def load() -> tuple[Kernels | None, str]:
         return None, "BRINE_NATIVE_KERNELS=0"
     compiler = _compiler()
     try:
-        source = SOURCE.read_bytes()
+        source = b"\0".join(path.read_bytes() for path in SOURCES)
     except OSError as e:
         return None, f"kernel source missing: {e}"
     if compiler is None:

@@ -214,8 +214,8 @@ def test_the_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
         again, _ = native_kernels.load()
         assert again is not None and again.path == first.path and again.path.stat().st_mtime_ns == mtime
         changed = tmp_path / "paged_attention.cpp"
-        changed.write_text(native_kernels.SOURCE.read_text() + "\n// another version\n")
-        monkeypatch.setattr(native_kernels, "SOURCE", changed)
+        changed.write_text(native_kernels.SOURCES[0].read_text() + "\n// another version\n")
+        monkeypatch.setattr(native_kernels, "SOURCES", (changed, *native_kernels.SOURCES[1:]))
         native_kernels.load.cache_clear()
         other, why = native_kernels.load()
         assert other is not None, why

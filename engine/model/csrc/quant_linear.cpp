@@ -1,0 +1,274 @@
+// y = x W^T (+ b) on GGUF-quantized weights kept as stored (engine/model/quant_linear.py).
+//
+// Why: a decode step streams every weight once. As bfloat16 the default model's linears are ~270 MB per token;
+// as the GGUF's own Q4_1 blocks (and the Q8_0 output head) they are ~96 MB, and the step is bound by that
+// stream. The weights are the GGUF's exact values, d * q + m, never rounded to 16 bits.
+//
+// Layout (written once at load by quant_linear.repack): the output features are cut into tiles of 16; for
+// each tile and each block of 32 input features there is one record:
+//   Q4_1: 16 f16 d | 16 f16 m | 16 pairs x 16 bytes, byte c of pair p = q[c][2p] | q[c][2p+1] << 4   (320 B)
+//   Q8_0: 16 f16 d | 16 pairs x 16 x 2 int8, (q[c][2p], q[c][2p+1])                                  (544 B)
+// so one 16-byte (or 32-byte) load gives one input pair for all 16 outputs of the tile.
+//
+// Arithmetic, per output column n and input row r, over the K / 32 blocks b in order:
+//   P = sum over the block's 16 pairs, in order, of q[n][2p] x[2p] + q[n][2p+1] x[2p+1]   (from P = 0)
+//   total = fma(d[n][b], P, total); total = fma(m[n][b], S[r][b], total)         (S: the block's sum of x)
+//   y = round(total + bias[n]) to the output dtype
+// With bfloat16 activations P uses AVX512-BF16 `vdpbf16ps`; q (0..15, or -128..127) and x are exact in
+// bfloat16, so every product is exact. With float32 activations P uses fmaf (even input first, then odd).
+//
+// Invariance: that sequence depends only on the row's own x and the weights. Rows are processed in groups of
+// up to 8 and columns in tiles by any thread, but no lane ever mixes rows or columns, and the block order is
+// fixed: a row's bits do not depend on the batch, its position in it, or the thread count.
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+static constexpr int kTile = 16;   // output features per tile: one 512-bit vector of float32
+static constexpr int kBlock = 32;  // input features per GGUF block
+static constexpr int kPairs = kBlock / 2;
+static constexpr int kRows = 8;  // rows per group: 8 partial + 8 total accumulators stay in registers
+
+static constexpr int kQ4_1 = 0;
+static constexpr int kQ8_0 = 1;
+static constexpr int kF32 = 0;
+static constexpr int kBF16 = 1;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define BRINE_QUANT_LINEAR 1
+#include <immintrin.h>
+#else
+#define BRINE_QUANT_LINEAR 0
+#endif
+
+#if BRINE_QUANT_LINEAR
+namespace {
+
+
+constexpr int64_t record_bytes(int wtype) { return wtype == kQ4_1 ? 2 * 2 * kTile + kPairs * kTile : 2 * kTile + kPairs * kTile * 2; }
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// One tile's weights unpacked for the whole K: per block, 16 pair vectors and the d and m vectors.
+// bf16 activations: a pair vector is 32 bfloat16 (q[c][2p], q[c][2p+1]) for c = 0..15.
+// f32 activations: two float32 vectors per pair (the even inputs' q, then the odd ones').
+// (std::vector would not keep __m512's 64-byte alignment: the storage is aligned by hand.)
+class Panel {
+   public:
+    void resize(int64_t blocks, int per_pair) {
+        const size_t need = static_cast<size_t>(blocks) * (kPairs * per_pair + 2) * 64 + 64;
+        if (raw_.size() < need) raw_.resize(need);
+        auto base = reinterpret_cast<uintptr_t>(raw_.data());
+        pairs = reinterpret_cast<__m512i*>((base + 63) & ~uintptr_t{63});
+        dm = reinterpret_cast<__m512*>(pairs + blocks * kPairs * per_pair);
+    }
+    __m512i* pairs = nullptr;  // [blocks][16 or 32]
+    __m512* dm = nullptr;      // [blocks][2]: d, then m
+
+   private:
+    std::vector<uint8_t> raw_;
+};
+
+template <int WT, int XT>
+void unpack(const uint8_t* rec, int64_t blocks, Panel& panel) {
+    constexpr int per_pair = XT == kBF16 ? 1 : 2;
+    panel.resize(blocks, per_pair);
+    // bfloat16 of 0..15, as vpermw's table
+    alignas(64) static const uint16_t kNibbles[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                                      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+    const __m512i nibble_table = _mm512_load_si512(kNibbles);
+    for (int64_t b = 0; b < blocks; ++b, rec += record_bytes(WT)) {
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec);
+        panel.dm[b * 2] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+        panel.dm[b * 2 + 1] = WT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kTile)))
+                                          : _mm512_setzero_ps();
+        const uint8_t* qs = rec + (WT == kQ4_1 ? 4 : 2) * kTile;
+        __m512i* out = panel.pairs + b * kPairs * per_pair;
+        for (int p = 0; p < kPairs; ++p) {
+            if constexpr (WT == kQ4_1) {
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + p * kTile)));
+                if constexpr (XT == kBF16) {
+                    // (v | v << 12) & 0x000f000f: the low nibble in the low word, the high one in the high word
+                    const __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000f000f), 0xA8);
+                    out[p] = _mm512_permutexvar_epi16(idx, nibble_table);
+                } else {
+                    out[2 * p] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf))));
+                    out[2 * p + 1] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+                }
+            } else {
+                // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
+                if constexpr (XT == kBF16) {
+                    // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+                    const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
+                    const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
+                    out[p] = _mm512_or_si512(lo_b, hi_b);
+                } else {
+                    out[2 * p] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16)));
+                    out[2 * p + 1] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16)));
+                }
+            }
+        }
+    }
+}
+
+struct Args {
+    int64_t n, k, m;
+    const void* x;
+    int64_t x_stride;  // elements between rows
+    const float* bias;
+    void* out;
+    int64_t out_stride;
+    int out_dtype;
+    const float* sums;  // [m][blocks]: each block's sum of x (Q4_1 only)
+};
+
+// Rows r0 .. r0 + R - 1 of one tile: every lane's arithmetic is the sequence in the header.
+template <int WT, int XT, int R>
+void rows_tile(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
+    const int64_t blocks = a.k / kBlock;
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512 part[R];
+        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+        if constexpr (XT == kBF16) {
+            const __m512i* w = panel.pairs + b * kPairs;
+            for (int p = 0; p < kPairs; ++p) {
+                const __m512bh wp = (__m512bh)w[p];
+                for (int r = 0; r < R; ++r) {
+                    const uint16_t* xr = static_cast<const uint16_t*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
+                    int32_t pair;
+                    std::memcpy(&pair, xr, 4);
+                    part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
+                }
+            }
+        } else {
+            const __m512i* w = panel.pairs + b * kPairs * 2;
+            for (int p = 0; p < kPairs; ++p) {
+                const __m512 we = _mm512_castsi512_ps(w[2 * p]), wo = _mm512_castsi512_ps(w[2 * p + 1]);
+                for (int r = 0; r < R; ++r) {
+                    const float* xr = static_cast<const float*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
+                    part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(xr[0]), part[r]);
+                    part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xr[1]), part[r]);
+                }
+            }
+        }
+        const __m512 d = panel.dm[b * 2], mm = panel.dm[b * 2 + 1];
+        for (int r = 0; r < R; ++r) {
+            total[r] = _mm512_fmadd_ps(d, part[r], total[r]);
+            if constexpr (WT == kQ4_1) total[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(a.sums[(r0 + r) * blocks + b]), total[r]);
+        }
+    }
+    const int64_t c0 = tile * kTile;
+    const int cols = static_cast<int>(a.n - c0 < kTile ? a.n - c0 : kTile);
+    for (int r = 0; r < R; ++r) {
+        alignas(64) float y[kTile];
+        _mm512_store_ps(y, total[r]);
+        for (int c = 0; c < cols; ++c) {
+            const float v = a.bias ? y[c] + a.bias[c0 + c] : y[c];
+            if (a.out_dtype == kBF16)
+                static_cast<uint16_t*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = f32_to_bf16(v);
+            else
+                static_cast<float*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = v;
+        }
+    }
+}
+
+template <int WT, int XT, int R>
+void rows_tail(const Args& a, const Panel& panel, int64_t tile, int64_t r0, int rest) {
+    if constexpr (R > 0) {
+        if (rest == R) return rows_tile<WT, XT, R>(a, panel, tile, r0);
+        rows_tail<WT, XT, R - 1>(a, panel, tile, r0, rest);
+    }
+}
+
+template <int WT, int XT>
+void run(const Args& a, const uint8_t* w, int threads) {
+    const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile;
+#pragma omp parallel num_threads(threads)
+    {
+        Panel panel;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            unpack<WT, XT>(w + t * blocks * record_bytes(WT), blocks, panel);
+            int64_t r = 0;
+            for (; r + kRows <= a.m; r += kRows) rows_tile<WT, XT, kRows>(a, panel, t, r);
+            if (r < a.m) rows_tail<WT, XT, kRows - 1>(a, panel, t, r, static_cast<int>(a.m - r));
+        }
+    }
+}
+
+template <int XT>
+void block_sums(const void* x, int64_t x_stride, int64_t m, int64_t k, float* sums, int threads) {
+    const int64_t blocks = k / kBlock;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            float s = 0.0f;  // in order: fixed, whatever the thread
+            for (int i = 0; i < kBlock; ++i) {
+                const int64_t j = r * x_stride + b * kBlock + i;
+                s += XT == kBF16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[j]) : static_cast<const float*>(x)[j];
+            }
+            sums[r * blocks + b] = s;
+        }
+}
+
+}  // namespace
+#endif  // BRINE_QUANT_LINEAR
+
+extern "C" {
+
+// 1 where this build has the kernel (AVX512 with BF16, which -march=native enables only on CPUs that have it).
+int brine_quant_linear_supported() { return BRINE_QUANT_LINEAR; }
+
+// Bumped whenever the arguments or the record layout change.
+int brine_quant_linear_abi() { return 1; }
+
+// wtype: 0 = Q4_1, 1 = Q8_0. x_dtype / out_dtype: 0 = float32, 1 = bfloat16. k: a multiple of 32.
+// Returns 0, or non-zero for arguments it refuses (nothing is written then).
+int brine_quant_linear(int wtype, const uint8_t* w, int64_t n, int64_t k, int x_dtype, const void* x, int64_t m,
+                       int64_t x_stride, const float* bias, void* out, int64_t out_stride, int out_dtype,
+                       int threads) {
+    if (n <= 0 || k <= 0 || k % kBlock != 0 || m < 0 || threads <= 0 || (wtype != kQ4_1 && wtype != kQ8_0) ||
+        (x_dtype != kF32 && x_dtype != kBF16) || (out_dtype != kF32 && out_dtype != kBF16))
+        return 1;
+    if (m == 0) return 0;
+#if !BRINE_QUANT_LINEAR
+    (void)w, (void)x, (void)x_stride, (void)bias, (void)out, (void)out_stride;
+    return 3;
+#else
+    std::vector<float> sums;
+    if (wtype == kQ4_1) {
+        sums.resize(static_cast<size_t>(m * (k / kBlock)));
+        if (x_dtype == kBF16)
+            block_sums<kBF16>(x, x_stride, m, k, sums.data(), threads);
+        else
+            block_sums<kF32>(x, x_stride, m, k, sums.data(), threads);
+    }
+    const Args a{n, k, m, x, x_stride, bias, out, out_stride, out_dtype, sums.data()};
+    if (wtype == kQ4_1 && x_dtype == kBF16) run<kQ4_1, kBF16>(a, w, threads);
+    else if (wtype == kQ4_1) run<kQ4_1, kF32>(a, w, threads);
+    else if (x_dtype == kBF16) run<kQ8_0, kBF16>(a, w, threads);
+    else run<kQ8_0, kF32>(a, w, threads);
+    return 0;
+#endif
+}
+
+}  // extern "C"
