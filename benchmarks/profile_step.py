@@ -48,7 +48,7 @@ def _timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not _enabled:
+        if not _enabled or (_stack and _stack[-1] == label):  # nested in itself (fused_ops' torch path)
             return fn(*args, **kwargs)
         _stack.append(label)
         t0 = time.perf_counter()
@@ -81,6 +81,11 @@ def instrument(core: EngineCore) -> None:
     llama.apply_rope = _timed("runner.execute/model.forward/rope", llama.apply_rope)
     llama.silu = _timed("runner.execute/model.forward/silu", llama.silu)
     llama.RMSNorm.forward = _timed("runner.execute/model.forward/rmsnorm", llama.RMSNorm.forward)
+    # The fused native steps (CPU): the residual add is charged to the RMSNorm it is fused with.
+    fused = llama.fused_ops
+    fused.rms_norm = _timed("runner.execute/model.forward/rmsnorm", fused.rms_norm)
+    fused.add_rms_norm = _timed("runner.execute/model.forward/rmsnorm", fused.add_rms_norm)
+    fused.silu_mul = _timed("runner.execute/model.forward/silu", fused.silu_mul)
     PackedLinear.forward = _timed("runner.execute/model.forward/linears", PackedLinear.forward)
     QuantLinear.forward = _timed("runner.execute/model.forward/linears", QuantLinear.forward)
     runner.sampler.__class__.__call__ = _timed("runner.execute/sampler", runner.sampler.__class__.__call__)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_store import write_slots
+from engine.model import fused_ops
 from engine.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
 from engine.model.config import ModelConfig
 
@@ -133,8 +134,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(silu(gate) * up)
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x), silu))
 
 
 class DecoderLayer(nn.Module):
@@ -155,8 +155,10 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:  # [T, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), rope, backend, plan, slot_mapping, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = fused_ops.rms_norm(h, self.input_layernorm)
+        attn = self.self_attn(x, rope, backend, plan, slot_mapping, k_cache, v_cache)
+        h, x = fused_ops.add_rms_norm(h, attn, self.post_attention_layernorm)
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, backend, plan, meta.slot_mapping, k_caches[i], v_caches[i])
         # Only the rows that sample (or ask for prompt logprobs) go through the norm and the vocab matmul.
-        h = self.norm(h.index_select(0, logits_indices))
+        h = fused_ops.rms_norm(h.index_select(0, logits_indices), self.norm)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h).float()
         if self.lm_head is not None:

@@ -33,7 +33,8 @@ from engine.model.invariance import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "quant_linear.cpp")
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp")
 )
 ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
 QUANT_ABI = 1  # what brine_quant_linear_abi() must return
@@ -46,6 +47,8 @@ class Kernels:
     paged_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
     # None where this CPU lacks what the kernel needs (AVX512 with BF16): see quant_linear.
     quant_linear: ctypes._CFuncPtr | None  # type: ignore[name-defined]
+    # None where this CPU lacks AVX512 (see fused_ops): (add_rms_norm, silu_mul).
+    elementwise: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None = None  # type: ignore[name-defined]
 
 
 def _cpu_id() -> str:
@@ -89,7 +92,14 @@ def _bind(path: Path) -> Kernels:
         quant = lib.brine_quant_linear
         quant.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, i64, i32, i32]
         quant.restype = i32
-    return Kernels(path, fn, quant)
+    elementwise = None
+    if lib.brine_elementwise_supported():
+        norm, silu = lib.brine_add_rms_norm, lib.brine_silu_mul
+        norm.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
+        silu.argtypes = [i32, ptr, ptr, i64, i64, i32]
+        norm.restype = silu.restype = i32
+        elementwise = (norm, silu)
+    return Kernels(path, fn, quant, elementwise)
 
 
 @functools.cache

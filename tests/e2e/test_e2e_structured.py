@@ -76,12 +76,14 @@ def test_json_object_and_nested_schema_with_arrays_enums_and_bounded_ints(
 ) -> None:
     out = client.chat.completions.create(
         model=brine_server.model,
-        messages=MSG,
+        # An object the model copies: asked to invent one ("Describe Ada as JSON"), the 135M model's greedy
+        # object ran ~200 tokens with one kernel's last bits and repeated keys past 400 with another.
+        messages=[
+            {"role": "user", "content": 'Reply with this JSON object only: {"name": "Ada", "age": 36}'}
+        ],
         response_format={"type": "json_object"},
         # Room for the whole object: a reply cut by max_tokens is unfinished JSON whatever the grammar does.
-        # (The default model's greedy object here is ~200 tokens; 120 cut it once the attention's last bits
-        # changed.)
-        max_tokens=400,
+        max_tokens=200,
         temperature=0,
     )
     assert out.choices[0].finish_reason == "stop", out.choices[0].message.content

@@ -1,0 +1,184 @@
+// The decoder's elementwise steps, fused: residual add + RMSNorm, and SiLU(gate) x up (engine/model/fused_ops.py).
+//
+// Why: on a decode step each of these is a handful of tiny torch ops (cast, square, mean, add, rsqrt, mul,
+// cast, mul; exp, add, div, cast, mul), and with ~1,600 ops per step their dispatch, not their arithmetic,
+// was a third of the step. One call per layer per kind replaces them.
+//
+// Numerics follow transformers' op order, with the model dtype's roundings where it rounds:
+//   add_rms_norm: h = round(h + delta); v = sum(h^2) / n (float32); y = round(h * (1 / sqrt(v + eps)));
+//                 out = round(weight * y)
+//   silu_mul:     s = round(g / (1 + exp(-g))) (float32 inside); out = round(s * up)
+// (round: to the model dtype, nearest even; the identity for float32). Two places differ from torch in the
+// last float32 bits: the sum of squares runs in 16 lanes, then a fixed tree (torch's mean sums in its own
+// vector order), and exp is this file's polynomial (torch's is Sleef's). Both are the same on every row and
+// every call, whatever the batch or the thread count: each row is computed alone, by one thread, and the
+// last partial vector of a row goes through the same vector code with a mask, never a scalar loop.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define BRINE_ELEMENTWISE 1
+#include <immintrin.h>
+#else
+#define BRINE_ELEMENTWISE 0
+#endif
+
+static constexpr int kEwF32 = 0;
+static constexpr int kEwBF16 = 1;
+
+#if BRINE_ELEMENTWISE
+namespace {
+
+// Load 16 (or fewer, masked: the rest read as 0) values of the model dtype as float32.
+template <int DT>
+inline __m512 load16(const void* p, int64_t i, __mmask16 mask) {
+    if constexpr (DT == kEwF32) {
+        return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+    } else {
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+}
+
+// float32 -> bfloat16 bits, round to nearest even (NaN kept quiet), as torch's .to(torch.bfloat16).
+inline __m256i to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+// The model dtype's rounding of float32 values (identity for float32).
+template <int DT>
+inline __m512 round_dtype(__m512 v) {
+    if constexpr (DT == kEwF32) {
+        return v;
+    } else {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+    }
+}
+
+template <int DT>
+inline void store16(void* p, int64_t i, __m512 v, __mmask16 mask) {
+    if constexpr (DT == kEwF32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(p) + i, mask, v);
+    } else {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, mask, to_bf16(v));
+    }
+}
+
+inline __mmask16 tail_mask(int64_t n, int64_t i) {
+    const int64_t left = n - i;
+    return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// exp(x) for float32: x = k ln2 + r (Cody-Waite, two constants), a degree-6 polynomial in r (cephes' expf
+// coefficients), times 2^k; inputs are clamped to where float32 neither overflows nor goes subnormal.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+template <int DT>
+void add_rms_norm(const void* h, const void* delta, void* h_sum, const void* weight, void* out, int64_t rows,
+                  int64_t n, float eps, int threads) {
+    const void* src = delta != nullptr ? h_sum : h;  // the norm's input, once the sum is written
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t t = 0; t < rows; ++t) {
+        const int64_t base = t * n;
+        __m512 sq = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = tail_mask(n, i);
+            __m512 v = load16<DT>(h, base + i, m);
+            if (delta != nullptr) {
+                v = round_dtype<DT>(_mm512_add_ps(v, load16<DT>(delta, base + i, m)));
+                store16<DT>(h_sum, base + i, v, m);
+            }
+            sq = _mm512_fmadd_ps(v, v, sq);
+        }
+        // the 16 lanes by a fixed halving tree
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, sq);
+        for (int w = 8; w >= 1; w /= 2)
+            for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+        const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(n) + eps);
+        const __m512 r = _mm512_set1_ps(inv);
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = tail_mask(n, i);
+            const __m512 y = round_dtype<DT>(_mm512_mul_ps(load16<DT>(src, base + i, m), r));
+            store16<DT>(out, base + i, _mm512_mul_ps(load16<DT>(weight, i, m), y), m);
+        }
+    }
+}
+
+template <int DT>
+void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t t = 0; t < rows; ++t) {
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = tail_mask(n, i);
+            const __m512 g = load16<DT>(gate_up, t * 2 * n + i, m);
+            const __m512 up = load16<DT>(gate_up, t * 2 * n + n + i, m);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 s = round_dtype<DT>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            store16<DT>(out, t * n + i, _mm512_mul_ps(s, up), m);
+        }
+    }
+}
+
+}  // namespace
+#endif  // BRINE_ELEMENTWISE
+
+extern "C" {
+
+int brine_elementwise_supported() { return BRINE_ELEMENTWISE; }
+
+// h, delta [rows, n]: h_sum = h + delta is written and normalised (delta null: h is normalised, h_sum unused);
+// weight [n]; out [rows, n]. All contiguous, of `dtype` (0 float32, 1 bfloat16); h_sum may be h.
+// Returns non-zero for arguments it refuses.
+int brine_add_rms_norm(int dtype, const void* h, const void* delta, void* h_sum, const void* weight, void* out,
+                       int64_t rows, int64_t n, float eps, int threads) {
+    if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kEwF32 && dtype != kEwBF16)) return 1;
+#if BRINE_ELEMENTWISE
+    if (dtype == kEwF32)
+        add_rms_norm<kEwF32>(h, delta, h_sum, weight, out, rows, n, eps, threads);
+    else
+        add_rms_norm<kEwBF16>(h, delta, h_sum, weight, out, rows, n, eps, threads);
+    return 0;
+#else
+    (void)h, (void)delta, (void)h_sum, (void)weight, (void)out, (void)eps;
+    return 3;
+#endif
+}
+
+// gate_up [rows, 2n] (gate, then up), out [rows, n]; contiguous, of `dtype`.
+int brine_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t n, int threads) {
+    if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kEwF32 && dtype != kEwBF16)) return 1;
+#if BRINE_ELEMENTWISE
+    if (dtype == kEwF32)
+        silu_mul<kEwF32>(gate_up, out, rows, n, threads);
+    else
+        silu_mul<kEwBF16>(gate_up, out, rows, n, threads);
+    return 0;
+#else
+    (void)gate_up, (void)out;
+    return 3;
+#endif
+}
+
+}  // extern "C"

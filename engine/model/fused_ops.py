@@ -1,0 +1,82 @@
+"""The decoder's elementwise steps as one native call each on CPU (csrc/elementwise.cpp), torch elsewhere.
+
+- `add_rms_norm(h, delta, norm)`: (h + delta, norm(h + delta)), the residual add fused with the next RMSNorm;
+- `rms_norm(h, norm)`: norm(h);
+- `silu_mul(gate_up)`: silu(gate) * up, for the fused gate/up projection's output.
+
+Why: a decode step ran ~1,600 torch ops, most of them these elementwise ones on a single row, and their
+dispatch cost more than their arithmetic. The native path serves CPU tensors in float32 or bfloat16 where
+the kernels load; CUDA, float16 and machines without the kernels take the torch path, which is the model's
+original code. The kernel's header says where its last float32 bits differ from torch's (a fixed-order sum
+of squares, its own exp) and why a row's bits still never depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.native_kernels import load
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _native(x: torch.Tensor):  # -> (add_rms_norm, silu_mul) kernels, or None for the torch path
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+        return None
+    kernels, _ = load()
+    return None if kernels is None else kernels.elementwise
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, norm(h + delta)) for h, delta [T, hidden]; norm: an RMSNorm (weight, eps)."""
+    kernels = _native(h)
+    if kernels is None or delta.dtype != h.dtype or norm.weight.dtype != h.dtype:
+        total = h + delta
+        return total, norm(total)
+    h, delta = h.contiguous(), delta.contiguous()
+    total, out = torch.empty_like(h), torch.empty_like(h)
+    _norm(kernels[0], h, delta, total, norm, out)
+    return total, out
+
+
+def rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
+    """norm(h) for h [T, hidden]."""
+    kernels = _native(h)
+    if kernels is None or norm.weight.dtype != h.dtype or h.dim() != 2:
+        return norm(h)
+    h = h.contiguous()
+    out = torch.empty_like(h)
+    _norm(kernels[0], h, None, None, norm, out)
+    return out
+
+
+def _norm(fn, h: torch.Tensor, delta, total, norm, out: torch.Tensor) -> None:
+    rc = fn(
+        _DTYPES[h.dtype],
+        h.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        None if total is None else total.data_ptr(),
+        norm.weight.data_ptr(),
+        out.data_ptr(),
+        h.shape[0],
+        h.shape[1],
+        norm.eps,
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise RuntimeError(f"native RMSNorm refused its arguments (code {rc})")
+
+
+def silu_mul(gate_up: torch.Tensor, torch_silu) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 I] (gate first); `torch_silu` is the model's own, for the torch path."""
+    kernels = _native(gate_up)
+    if kernels is None or gate_up.dim() != 2:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch_silu(gate) * up
+    gate_up = gate_up.contiguous()
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(t, n)
+    rc = kernels[1](_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"native SiLU refused its arguments (code {rc})")
+    return out
