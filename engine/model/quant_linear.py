@@ -62,8 +62,13 @@ def repack(raw: np.ndarray, ggml_type: int, in_features: int) -> np.ndarray:
         m = per_tile(rows[:, :, 2:4]).reshape(tiles, blocks, 2 * TILE)
         qs = rows[:, :, 4:20]
         q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # element j and j + 16 share byte j
-        pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # [n, blocks, 16 pairs]
-        pairs = np.moveaxis(per_tile(pairs), 2, 3).reshape(tiles, blocks, BLOCK // 2 * TILE)
+        # words[p, 2c + e] = q[c][2p + e]: pair p's vector of 16 columns x (even, odd) inputs
+        words = np.moveaxis(per_tile(q).reshape(tiles, blocks, TILE, BLOCK // 2, 2), 2, 3)
+        words = words.reshape(tiles, blocks, 4, 4, 4, 8)  # [chunk j, pair 4j + t, 128-bit lane, word in lane]
+        # The kernel's unpack order (its comment): byte (j, lane, half, i) = pair 4j + half's word | pair
+        # 4j + 2 + half's word << 4, both at word 8 lane + i.
+        chunks = words[:, :, :, 0:2] | (words[:, :, :, 2:4] << 4)  # [.., j, half, lane, i]
+        pairs = np.swapaxes(chunks, 3, 4).reshape(tiles, blocks, BLOCK // 2 * TILE)
         out = np.concatenate([d, m, pairs], axis=-1)
     else:
         q8 = rows[:, :, 2:34].reshape(rows.shape[0], blocks, BLOCK // 2, 2)  # [n, blocks, pair, 2]

@@ -6,7 +6,8 @@
 //
 // Layout (written once at load by quant_linear.repack): the output features are cut into tiles of 16; for
 // each tile and each block of 32 input features there is one record:
-//   Q4_1: 16 f16 d | 16 f16 m | 16 pairs x 16 bytes, byte c of pair p = q[c][2p] | q[c][2p+1] << 4   (320 B)
+//   Q4_1: 16 f16 d | 16 f16 m | 256 bytes of nibbles: q[c][i] for the 16 columns c and 32 inputs i, in the
+//         order unpack reads them (see there)                                                        (320 B)
 //   Q8_0: 16 f16 d | 16 pairs x 16 x 2 int8, (q[c][2p], q[c][2p+1])                                  (544 B)
 // so one 16-byte (or 32-byte) load gives one input pair for all 16 outputs of the tile.
 //
@@ -28,7 +29,9 @@
 static constexpr int kTile = 16;   // output features per tile: one 512-bit vector of float32
 static constexpr int kBlock = 32;  // input features per GGUF block
 static constexpr int kPairs = kBlock / 2;
-static constexpr int kRows = 8;  // rows per group: 8 partial + 8 total accumulators stay in registers
+static constexpr int64_t kPrefetch = 4096;
+static constexpr int kRows = 8;
+static constexpr int kMaxGroup = 4;  // tiles at once, at most (run)  // rows per group for many rows: 8 partial + 8 total accumulators in registers
 
 static constexpr int kQ4_1 = 0;
 static constexpr int kQ8_0 = 1;
@@ -87,29 +90,48 @@ template <int WT, int XT>
 void unpack(const uint8_t* rec, int64_t blocks, Panel& panel) {
     constexpr int per_pair = XT == kBF16 ? 1 : 2;
     panel.resize(blocks, per_pair);
-    // bfloat16 of 0..15, as vpermw's table
-    alignas(64) static const uint16_t kNibbles[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                                      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-    const __m512i nibble_table = _mm512_load_si512(kNibbles);
+    // bfloat16 of 0..15, split into its low and high bytes: vpshufb's tables (one per 128-bit lane)
+    const __m512i table_lo = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0x00, static_cast<char>(0x80), 0x00, 0x40, static_cast<char>(0x80), static_cast<char>(0xa0),
+                      static_cast<char>(0xc0), static_cast<char>(0xe0), 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60,
+                      0x70));
+    const __m512i table_hi = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41));
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < blocks; ++b, rec += record_bytes(WT)) {
+        // The weights stream from memory once per call: ask for the lines kPrefetch bytes ahead (the rest of
+        // this tile, then the next one, which follows it in memory) while these convert.
+        for (int64_t o = 0; o < record_bytes(WT); o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + o), _MM_HINT_T0);
         const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec);
         panel.dm[b * 2] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
         panel.dm[b * 2 + 1] = WT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kTile)))
                                           : _mm512_setzero_ps();
         const uint8_t* qs = rec + (WT == kQ4_1 ? 4 : 2) * kTile;
         __m512i* out = panel.pairs + b * kPairs * per_pair;
-        for (int p = 0; p < kPairs; ++p) {
-            if constexpr (WT == kQ4_1) {
-                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + p * kTile)));
-                if constexpr (XT == kBF16) {
-                    // (v | v << 12) & 0x000f000f: the low nibble in the low word, the high one in the high word
-                    const __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000f000f), 0xA8);
-                    out[p] = _mm512_permutexvar_epi16(idx, nibble_table);
-                } else {
-                    out[2 * p] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf))));
-                    out[2 * p + 1] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+        if constexpr (WT == kQ4_1) {
+            // Each 64-byte chunk j holds pairs 4j .. 4j + 3 (repack's order): the low nibbles of each lane's
+            // first and last 8 bytes are pairs 4j and 4j + 1, the high nibbles 4j + 2 and 4j + 3. A table
+            // lookup gives each nibble's bfloat16 bytes, and interleaving them gives the words in place.
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = _mm512_loadu_si512(qs + 64 * j);
+                const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i lo = _mm512_shuffle_epi8(table_lo, nib[h]), hi = _mm512_shuffle_epi8(table_hi, nib[h]);
+                    const __m512i pv[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+                    for (int t = 0; t < 2; ++t) {
+                        const int p = 4 * j + 2 * h + t;
+                        if constexpr (XT == kBF16) {
+                            out[p] = pv[t];
+                        } else {  // the even inputs' q, then the odd ones', as float32 (exact)
+                            out[2 * p] = _mm512_slli_epi32(pv[t], 16);
+                            out[2 * p + 1] = _mm512_and_si512(pv[t], _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+                        }
+                    }
                 }
-            } else {
+            }
+        } else {
+            for (int p = 0; p < kPairs; ++p) {
                 // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
                 const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
                 if constexpr (XT == kBF16) {
@@ -140,79 +162,119 @@ struct Args {
 };
 
 // Rows r0 .. r0 + R - 1 of one tile: every lane's arithmetic is the sequence in the header.
-template <int WT, int XT, int R>
-void rows_tile(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
+// Rows r0 .. r0 + R - 1 against C consecutive tiles (panels[0 .. C - 1]): every lane's arithmetic is the
+// sequence in the header. Several tiles at once only give the core independent chains to overlap (one row
+// alone is otherwise a chain of dependent vdpbf16ps, latency-bound); no lane's sequence changes.
+template <int WT, int XT, int R, int C>
+void rows_tiles(const Args& a, const Panel* panels, int64_t tile0, int64_t r0) {
     const int64_t blocks = a.k / kBlock;
-    __m512 total[R];
-    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+    __m512 total[C][R];
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) total[c][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-        __m512 part[R];
-        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+        __m512 part[C][R];
+        for (int c = 0; c < C; ++c)
+            for (int r = 0; r < R; ++r) part[c][r] = _mm512_setzero_ps();
         if constexpr (XT == kBF16) {
-            const __m512i* w = panel.pairs + b * kPairs;
             for (int p = 0; p < kPairs; ++p) {
-                const __m512bh wp = (__m512bh)w[p];
                 for (int r = 0; r < R; ++r) {
                     const uint16_t* xr = static_cast<const uint16_t*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
                     int32_t pair;
                     std::memcpy(&pair, xr, 4);
-                    part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
+                    const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
+                    for (int c = 0; c < C; ++c)
+                        part[c][r] = _mm512_dpbf16_ps(part[c][r], (__m512bh)panels[c].pairs[b * kPairs + p], xp);
                 }
             }
         } else {
-            const __m512i* w = panel.pairs + b * kPairs * 2;
             for (int p = 0; p < kPairs; ++p) {
-                const __m512 we = _mm512_castsi512_ps(w[2 * p]), wo = _mm512_castsi512_ps(w[2 * p + 1]);
                 for (int r = 0; r < R; ++r) {
                     const float* xr = static_cast<const float*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
-                    part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(xr[0]), part[r]);
-                    part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xr[1]), part[r]);
+                    const __m512 xe = _mm512_set1_ps(xr[0]), xo = _mm512_set1_ps(xr[1]);
+                    for (int c = 0; c < C; ++c) {
+                        const __m512i* w = panels[c].pairs + (b * kPairs + p) * 2;
+                        part[c][r] = _mm512_fmadd_ps(_mm512_castsi512_ps(w[0]), xe, part[c][r]);
+                        part[c][r] = _mm512_fmadd_ps(_mm512_castsi512_ps(w[1]), xo, part[c][r]);
+                    }
                 }
             }
         }
-        const __m512 d = panel.dm[b * 2], mm = panel.dm[b * 2 + 1];
-        for (int r = 0; r < R; ++r) {
-            total[r] = _mm512_fmadd_ps(d, part[r], total[r]);
-            if constexpr (WT == kQ4_1) total[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(a.sums[(r0 + r) * blocks + b]), total[r]);
+        for (int c = 0; c < C; ++c) {
+            const __m512 d = panels[c].dm[b * 2], mm = panels[c].dm[b * 2 + 1];
+            for (int r = 0; r < R; ++r) {
+                total[c][r] = _mm512_fmadd_ps(d, part[c][r], total[c][r]);
+                if constexpr (WT == kQ4_1)
+                    total[c][r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(a.sums[(r0 + r) * blocks + b]), total[c][r]);
+            }
         }
     }
-    const int64_t c0 = tile * kTile;
-    const int cols = static_cast<int>(a.n - c0 < kTile ? a.n - c0 : kTile);
-    for (int r = 0; r < R; ++r) {
-        alignas(64) float y[kTile];
-        _mm512_store_ps(y, total[r]);
-        for (int c = 0; c < cols; ++c) {
-            const float v = a.bias ? y[c] + a.bias[c0 + c] : y[c];
-            if (a.out_dtype == kBF16)
-                static_cast<uint16_t*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = f32_to_bf16(v);
-            else
-                static_cast<float*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = v;
+    for (int c = 0; c < C; ++c) {
+        const int64_t c0 = (tile0 + c) * kTile;
+        const int cols = static_cast<int>(a.n - c0 < kTile ? a.n - c0 : kTile);
+        for (int r = 0; r < R; ++r) {
+            alignas(64) float y[kTile];
+            _mm512_store_ps(y, total[c][r]);
+            for (int j = 0; j < cols; ++j) {
+                const float v = a.bias ? y[j] + a.bias[c0 + j] : y[j];
+                if (a.out_dtype == kBF16)
+                    static_cast<uint16_t*>(a.out)[(r0 + r) * a.out_stride + c0 + j] = f32_to_bf16(v);
+                else
+                    static_cast<float*>(a.out)[(r0 + r) * a.out_stride + c0 + j] = v;
+            }
         }
     }
 }
 
-template <int WT, int XT, int R>
-void rows_tail(const Args& a, const Panel& panel, int64_t tile, int64_t r0, int rest) {
-    if constexpr (R > 0) {
-        if (rest == R) return rows_tile<WT, XT, R>(a, panel, tile, r0);
-        rows_tail<WT, XT, R - 1>(a, panel, tile, r0, rest);
+// All rows against tiles tile0 .. tile0 + C - 1, in groups of R rows (then one smaller group).
+template <int WT, int XT, int R, int C>
+void all_rows(const Args& a, const Panel* panels, int64_t tile0) {
+    int64_t r = 0;
+    for (; r + R <= a.m; r += R) rows_tiles<WT, XT, R, C>(a, panels, tile0, r);
+    if constexpr (R > 1) {
+        const int rest = static_cast<int>(a.m - r);
+        if (rest > 0) {
+            if constexpr (R > 2) {
+                if (rest >= R / 2) {
+                    rows_tiles<WT, XT, R / 2, C>(a, panels, tile0, r);
+                    r += R / 2;
+                }
+            }
+            for (; r < a.m; ++r) rows_tiles<WT, XT, 1, C>(a, panels, tile0, r);
+        }
+    }
+}
+
+// Tiles are shared out in groups of C; few rows take several tiles at once (see rows_tiles), many rows one
+// tile at a time (more rows per group instead). A partial last group runs its tiles one by one.
+template <int WT, int XT, int R, int C>
+void run_groups(const Args& a, const uint8_t* w, int threads) {
+    static_assert(C <= kMaxGroup);
+    const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile, groups = (tiles + C - 1) / C;
+#pragma omp parallel num_threads(threads)
+    {
+        // Kept per thread across calls: a fresh one per call cost a zeroed allocation (mmap'd, page-faulted
+        // anew, for the larger layers) in every layer of every step.
+        static thread_local Panel panels[kMaxGroup];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t t0 = g * C;
+            const int64_t count = tiles - t0 < C ? tiles - t0 : C;
+            for (int64_t c = 0; c < count; ++c)
+                unpack<WT, XT>(w + (t0 + c) * blocks * record_bytes(WT), blocks, panels[c]);
+            if (count == C) {
+                all_rows<WT, XT, R, C>(a, panels, t0);
+            } else {
+                for (int64_t c = 0; c < count; ++c) all_rows<WT, XT, R, 1>(a, panels + c, t0 + c);
+            }
+        }
     }
 }
 
 template <int WT, int XT>
 void run(const Args& a, const uint8_t* w, int threads) {
-    const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile;
-#pragma omp parallel num_threads(threads)
-    {
-        Panel panel;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; ++t) {
-            unpack<WT, XT>(w + t * blocks * record_bytes(WT), blocks, panel);
-            int64_t r = 0;
-            for (; r + kRows <= a.m; r += kRows) rows_tile<WT, XT, kRows>(a, panel, t, r);
-            if (r < a.m) rows_tail<WT, XT, kRows - 1>(a, panel, t, r, static_cast<int>(a.m - r));
-        }
-    }
+    if (a.m <= 2) return run_groups<WT, XT, 2, 4>(a, w, threads);
+    if (a.m <= 8) return run_groups<WT, XT, 4, 2>(a, w, threads);
+    run_groups<WT, XT, kRows, 1>(a, w, threads);
 }
 
 template <int XT>
