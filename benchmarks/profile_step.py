@@ -86,6 +86,7 @@ def instrument(core: EngineCore) -> None:
     fused.rms_norm = _timed("runner.execute/model.forward/rmsnorm", fused.rms_norm)
     fused.add_rms_norm = _timed("runner.execute/model.forward/rmsnorm", fused.add_rms_norm)
     fused.silu_mul = _timed("runner.execute/model.forward/silu", fused.silu_mul)
+    fused.rope_and_write = _timed("runner.execute/model.forward/rope+kv_write", fused.rope_and_write)
     PackedLinear.forward = _timed("runner.execute/model.forward/linears", PackedLinear.forward)
     QuantLinear.forward = _timed("runner.execute/model.forward/linears", QuantLinear.forward)
     runner.sampler.__class__.__call__ = _timed("runner.execute/sampler", runner.sampler.__class__.__call__)

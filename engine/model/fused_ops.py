@@ -2,7 +2,9 @@
 
 - `add_rms_norm(h, delta, norm)`: (h + delta, norm(h + delta)), the residual add fused with the next RMSNorm;
 - `rms_norm(h, norm)`: norm(h);
-- `silu_mul(gate_up)`: silu(gate) * up, for the fused gate/up projection's output.
+- `silu_mul(gate_up)`: silu(gate) * up, for the fused gate/up projection's output;
+- `rope_and_write(qkv, ...)`: RoPE on q and k and k, v written to their cache slots, for a backend that reads
+  new keys from the cache (`reads_keys_from_cache`); None where it does not apply.
 
 Why: a decode step ran ~1,600 torch ops, most of them these elementwise ones on a single row, and their
 dispatch cost more than their arithmetic. The native path serves CPU tensors in float32 or bfloat16 where
@@ -80,3 +82,49 @@ def silu_mul(gate_up: torch.Tensor, torch_silu) -> torch.Tensor:
     if rc:
         raise RuntimeError(f"native SiLU refused its arguments (code {rc})")
     return out
+
+
+def rope_and_write(
+    qkv: torch.Tensor,  # [T, (H + 2 Hkv) D]
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D / 2] in the model dtype
+    slot_mapping: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    heads: int,
+) -> torch.Tensor | None:
+    """q after RoPE [T, H, D], with k (after RoPE) and v already in their cache slots; None where the native
+    path does not apply (the caller then runs apply_rope and write_slots)."""
+    kernels = _native(qkv)
+    t, hkv, d = qkv.shape[0], k_cache.shape[2], k_cache.shape[3]
+    cos, sin = rope
+    if (
+        kernels is None
+        or k_cache.dtype != qkv.dtype
+        or cos.dtype != qkv.dtype
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or qkv.stride(-1) != 1
+        or qkv.shape[1] != (heads + 2 * hkv) * d
+    ):
+        return None
+    cos, sin = cos.reshape(t, d // 2).contiguous(), sin.reshape(t, d // 2).contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    q = qkv.new_empty(t, heads, d)
+    rc = kernels[2](
+        _DTYPES[qkv.dtype],
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.contiguous().data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        q.data_ptr(),
+        t,
+        heads,
+        hkv,
+        d,
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise RuntimeError(f"native RoPE refused its arguments (code {rc})")
+    return q

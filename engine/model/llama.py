@@ -106,6 +106,14 @@ class Attention(nn.Module):
             k = apply_rope(
                 self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d)), *rope
             )
+        elif getattr(backend, "reads_keys_from_cache", False) and (
+            (fused := fused_ops.rope_and_write(qkv, rope, slot_mapping, k_cache, v_cache, h)) is not None
+        ):
+            # One native call rotates q and k and writes k and v to the cache, which is all the backend reads.
+            o = backend.forward(
+                fused, qkv[:0], qkv[:0], k_cache, v_cache, plan, self.sliding_window, self.scale
+            )
+            return self.o_proj(o.reshape(t, self.q_size))
         else:
             # q and k rotate together: one set of elementwise ops instead of two (decode is op-bound).
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), *rope)

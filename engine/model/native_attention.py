@@ -48,6 +48,9 @@ class NativeBackend:
     """The C++ paged attention kernel (see the module docstring). CPU only."""
 
     name = "native"
+    # forward reads every key and value from the caches, never its k and v arguments: the model may hand
+    # it empty ones after writing the cache itself (fused_ops.rope_and_write).
+    reads_keys_from_cache = True
 
     def __init__(self, kernels: Kernels) -> None:
         self.kernels = kernels

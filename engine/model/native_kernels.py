@@ -47,8 +47,8 @@ class Kernels:
     paged_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
     # None where this CPU lacks what the kernel needs (AVX512 with BF16): see quant_linear.
     quant_linear: ctypes._CFuncPtr | None  # type: ignore[name-defined]
-    # None where this CPU lacks AVX512 (see fused_ops): (add_rms_norm, silu_mul).
-    elementwise: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None = None  # type: ignore[name-defined]
+    # None where this CPU lacks AVX512 (see fused_ops): (add_rms_norm, silu_mul, rope_write).
+    elementwise: tuple[ctypes._CFuncPtr, ...] | None = None  # type: ignore[name-defined]
 
 
 def _cpu_id() -> str:
@@ -94,11 +94,12 @@ def _bind(path: Path) -> Kernels:
         quant.restype = i32
     elementwise = None
     if lib.brine_elementwise_supported():
-        norm, silu = lib.brine_add_rms_norm, lib.brine_silu_mul
+        norm, silu, rope = lib.brine_add_rms_norm, lib.brine_silu_mul, lib.brine_rope_write
         norm.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
         silu.argtypes = [i32, ptr, ptr, i64, i64, i32]
-        norm.restype = silu.restype = i32
-        elementwise = (norm, silu)
+        rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+        norm.restype = silu.restype = rope.restype = i32
+        elementwise = (norm, silu, rope)
     return Kernels(path, fn, quant, elementwise)
 
 

@@ -96,3 +96,36 @@ def test_other_dtypes_take_the_models_torch_path():
     gate_up = torch.randn(3, 128, dtype=torch.float16)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(fused_ops.silu_mul(gate_up, silu), silu(gate) * up)
+
+
+@pytest.mark.parametrize("dim", [64, 40])  # 40: a half of 20, a last partial vector
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_and_write_equals_the_models_torch_ops_bit_for_bit(dtype, dim):
+    from engine.kv_store import write_slots
+    from engine.model.llama import apply_rope
+
+    t, h, hkv = 7, 9, 3
+    qkv = torch.randn(t, (h + 2 * hkv) * dim).to(dtype)
+    cos, sin = torch.randn(t, 1, dim // 2).to(dtype), torch.randn(t, 1, dim // 2).to(dtype)
+    slots = torch.tensor([3, 17, 40, 41, 100, 5, 127])
+    k_cache, v_cache = torch.zeros(8, 16, hkv, dim, dtype=dtype), torch.zeros(8, 16, hkv, dim, dtype=dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q = fused_ops.rope_and_write(qkv, (cos, sin), slots, k_cache, v_cache, h)
+    qk = apply_rope(qkv[:, : (h + hkv) * dim].view(t, h + hkv, dim), cos, sin)
+    write_slots(want_k, want_v, qk[:, h:], qkv[:, (h + hkv) * dim :].view(t, hkv, dim), slots)
+    assert q is not None
+    assert torch.equal(q, qk[:, :h]) and torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), (
+        isa_summary()
+    )
+
+
+def test_rope_and_write_declines_what_it_does_not_run():
+    t, h, hkv, d = 2, 2, 1, 8
+    qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=torch.float16)
+    rope = (torch.ones(t, 1, d // 2, dtype=torch.float16), torch.zeros(t, 1, d // 2, dtype=torch.float16))
+    caches = [torch.zeros(2, 16, hkv, d, dtype=torch.float16) for _ in range(2)]
+    assert fused_ops.rope_and_write(qkv, rope, torch.tensor([0, 1]), *caches, h) is None
+    wrong_width = torch.randn(t, (h + 2 * hkv) * d + 2)
+    caches32 = [torch.zeros(2, 16, hkv, d) for _ in range(2)]
+    rope32 = (torch.ones(t, 1, d // 2), torch.zeros(t, 1, d // 2))
+    assert fused_ops.rope_and_write(wrong_width, rope32, torch.tensor([0, 1]), *caches32, h) is None

@@ -1,4 +1,5 @@
-// The decoder's elementwise steps, fused: residual add + RMSNorm, and SiLU(gate) x up (engine/model/fused_ops.py).
+// The decoder's elementwise steps, fused: residual add + RMSNorm, SiLU(gate) x up, and RoPE with the KV cache
+// write (engine/model/fused_ops.py).
 //
 // Why: on a decode step each of these is a handful of tiny torch ops (cast, square, mean, add, rsqrt, mul,
 // cast, mul; exp, add, div, cast, mul), and with ~1,600 ops per step their dispatch, not their arithmetic,
@@ -8,6 +9,8 @@
 //   add_rms_norm: h = round(h + delta); v = sum(h^2) / n (float32); y = round(h * (1 / sqrt(v + eps)));
 //                 out = round(weight * y)
 //   silu_mul:     s = round(g / (1 + exp(-g))) (float32 inside); out = round(s * up)
+//   rope_write:   (x1 c - x2 s, x2 c + x1 s), each product and sum rounded: bit for bit transformers' RoPE;
+//                 K and V copied to their cache slots
 // (round: to the model dtype, nearest even; the identity for float32). Two places differ from torch in the
 // last float32 bits: the sum of squares runs in 16 lanes, then a fixed tree (torch's mean sums in its own
 // vector order), and exp is this file's polynomial (torch's is Sleef's). Both are the same on every row and
@@ -141,6 +144,39 @@ void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t n, int threa
     }
 }
 
+// One head of one token: y = (x1 c - x2 s, x2 c + x1 s) with every product and sum rounded to the model
+// dtype, as transformers' apply_rotary_pos_emb computes it in that dtype (x1, x2: the halves of x).
+template <int DT>
+void rope_head(const void* x, int64_t xi, const void* cos, const void* sin, int64_t ci, void* y, int64_t yi,
+               int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = tail_mask(half, i);
+        const __m512 x1 = load16<DT>(x, xi + i, m), x2 = load16<DT>(x, xi + half + i, m);
+        const __m512 c = load16<DT>(cos, ci + i, m), s = load16<DT>(sin, ci + i, m);
+        const __m512 y1 = _mm512_sub_ps(round_dtype<DT>(_mm512_mul_ps(x1, c)), round_dtype<DT>(_mm512_mul_ps(x2, s)));
+        const __m512 y2 = _mm512_add_ps(round_dtype<DT>(_mm512_mul_ps(x2, c)), round_dtype<DT>(_mm512_mul_ps(x1, s)));
+        store16<DT>(y, yi + i, y1, m);
+        store16<DT>(y, yi + half + i, y2, m);
+    }
+}
+
+template <int DT>
+void rope_write(const void* qkv, int64_t qkv_stride, const void* cos, const void* sin, const int64_t* slots,
+                void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads, int kv_heads, int dim,
+                int threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t row = t * qkv_stride, slot = slots[t];
+        for (int j = 0; j < heads; ++j) rope_head<DT>(qkv, row + j * dim, cos, sin, t * half, q_out, (t * heads + j) * dim, half);
+        for (int j = 0; j < kv_heads; ++j)
+            rope_head<DT>(qkv, row + (heads + j) * dim, cos, sin, t * half, k_cache, (slot * kv_heads + j) * dim, half);
+        const size_t bytes = static_cast<size_t>(kv_heads) * dim * (DT == kEwF32 ? 4 : 2);
+        const int64_t v0 = row + static_cast<int64_t>(heads + kv_heads) * dim;
+        std::memcpy(static_cast<char*>(v_cache) + slot * bytes, static_cast<const char*>(qkv) + v0 * (DT == kEwF32 ? 4 : 2), bytes);
+    }
+}
+
 }  // namespace
 #endif  // BRINE_ELEMENTWISE
 
@@ -177,6 +213,27 @@ int brine_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int6
     return 0;
 #else
     (void)gate_up, (void)out;
+    return 3;
+#endif
+}
+
+// qkv [tokens, (heads + 2 kv_heads) dim] with row stride qkv_stride (elements); cos, sin [tokens, dim / 2] in
+// the model dtype; slots [tokens]: k and v go to k_cache / v_cache [slot][kv_heads][dim] (contiguous);
+// q_out [tokens, heads, dim]. Every token's K and V are written before this returns.
+int brine_rope_write(int dtype, const void* qkv, int64_t qkv_stride, const void* cos, const void* sin,
+                     const int64_t* slots, void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads,
+                     int kv_heads, int dim, int threads) {
+    if (tokens < 0 || heads <= 0 || kv_heads <= 0 || dim <= 0 || dim % 2 || threads <= 0 ||
+        (dtype != kEwF32 && dtype != kEwBF16))
+        return 1;
+#if BRINE_ELEMENTWISE
+    if (dtype == kEwF32)
+        rope_write<kEwF32>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
+    else
+        rope_write<kEwBF16>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
+    return 0;
+#else
+    (void)qkv, (void)qkv_stride, (void)cos, (void)sin, (void)slots, (void)k_cache, (void)v_cache, (void)q_out;
     return 3;
 #endif
 }
