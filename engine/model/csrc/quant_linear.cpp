@@ -225,22 +225,25 @@ void rows_tiles(const Args& a, const Panel* panels, int64_t tile0, int64_t r0) {
     }
 }
 
-// All rows against tiles tile0 .. tile0 + C - 1, in groups of R rows (then one smaller group).
+// Rows r0 .. r0 + rows - 1 (1 <= rows <= R) against the C tiles: rows_tiles instantiated for that count.
+template <int WT, int XT, int R, int C>
+void rows_dispatch(const Args& a, const Panel* panels, int64_t tile0, int64_t r0, int rows) {
+    if constexpr (R > 0) {
+        if (rows == R) return rows_tiles<WT, XT, R, C>(a, panels, tile0, r0);
+        rows_dispatch<WT, XT, R - 1, C>(a, panels, tile0, r0, rows);
+    }
+}
+
+// All rows against tiles tile0 .. tile0 + C - 1, in as few groups of at most R rows as cover them, of
+// near-equal sizes (13 rows: 7 + 6, not 8 + 5): a group of one or two rows is a short chain per lane that
+// waits on each vdpbf16ps's latency, so no group is left much smaller than the others.
 template <int WT, int XT, int R, int C>
 void all_rows(const Args& a, const Panel* panels, int64_t tile0) {
     int64_t r = 0;
-    for (; r + R <= a.m; r += R) rows_tiles<WT, XT, R, C>(a, panels, tile0, r);
-    if constexpr (R > 1) {
-        const int rest = static_cast<int>(a.m - r);
-        if (rest > 0) {
-            if constexpr (R > 2) {
-                if (rest >= R / 2) {
-                    rows_tiles<WT, XT, R / 2, C>(a, panels, tile0, r);
-                    r += R / 2;
-                }
-            }
-            for (; r < a.m; ++r) rows_tiles<WT, XT, 1, C>(a, panels, tile0, r);
-        }
+    for (int64_t groups = (a.m + R - 1) / R; groups > 0; --groups) {
+        const int rows = static_cast<int>((a.m - r + groups - 1) / groups);
+        rows_dispatch<WT, XT, R, C>(a, panels, tile0, r, rows);
+        r += rows;
     }
 }
 
