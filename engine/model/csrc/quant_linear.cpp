@@ -29,9 +29,8 @@
 static constexpr int kTile = 16;   // output features per tile: one 512-bit vector of float32
 static constexpr int kBlock = 32;  // input features per GGUF block
 static constexpr int kPairs = kBlock / 2;
-static constexpr int64_t kPrefetch = 4096;
-static constexpr int kRows = 8;
-static constexpr int kMaxGroup = 4;  // tiles at once, at most (run)  // rows per group for many rows: 8 partial + 8 total accumulators in registers
+static constexpr int64_t kPrefetch = 4096;  // bytes ahead of the record being unpacked
+static constexpr int kRows = 8;  // rows per group, at most: 8 partial + 8 total accumulators in registers
 
 static constexpr int kQ4_1 = 0;
 static constexpr int kQ8_0 = 1;
@@ -162,122 +161,91 @@ struct Args {
 };
 
 // Rows r0 .. r0 + R - 1 of one tile: every lane's arithmetic is the sequence in the header.
-// Rows r0 .. r0 + R - 1 against C consecutive tiles (panels[0 .. C - 1]): every lane's arithmetic is the
-// sequence in the header. Several tiles at once only give the core independent chains to overlap (one row
-// alone is otherwise a chain of dependent vdpbf16ps, latency-bound); no lane's sequence changes.
-template <int WT, int XT, int R, int C>
-void rows_tiles(const Args& a, const Panel* panels, int64_t tile0, int64_t r0) {
+// Rows r0 .. r0 + R - 1 against one tile: every lane's arithmetic is the sequence in the header.
+template <int WT, int XT, int R>
+void rows_tile(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
     const int64_t blocks = a.k / kBlock;
-    __m512 total[C][R];
-    for (int c = 0; c < C; ++c)
-        for (int r = 0; r < R; ++r) total[c][r] = _mm512_setzero_ps();
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-        __m512 part[C][R];
-        for (int c = 0; c < C; ++c)
-            for (int r = 0; r < R; ++r) part[c][r] = _mm512_setzero_ps();
+        __m512 part[R];
+        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
         if constexpr (XT == kBF16) {
+            const __m512i* w = panel.pairs + b * kPairs;
             for (int p = 0; p < kPairs; ++p) {
+                const __m512bh wp = (__m512bh)w[p];
                 for (int r = 0; r < R; ++r) {
                     const uint16_t* xr = static_cast<const uint16_t*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
                     int32_t pair;
                     std::memcpy(&pair, xr, 4);
-                    const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
-                    for (int c = 0; c < C; ++c)
-                        part[c][r] = _mm512_dpbf16_ps(part[c][r], (__m512bh)panels[c].pairs[b * kPairs + p], xp);
+                    part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
                 }
             }
         } else {
+            const __m512i* w = panel.pairs + b * kPairs * 2;
             for (int p = 0; p < kPairs; ++p) {
+                const __m512 we = _mm512_castsi512_ps(w[2 * p]), wo = _mm512_castsi512_ps(w[2 * p + 1]);
                 for (int r = 0; r < R; ++r) {
                     const float* xr = static_cast<const float*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
-                    const __m512 xe = _mm512_set1_ps(xr[0]), xo = _mm512_set1_ps(xr[1]);
-                    for (int c = 0; c < C; ++c) {
-                        const __m512i* w = panels[c].pairs + (b * kPairs + p) * 2;
-                        part[c][r] = _mm512_fmadd_ps(_mm512_castsi512_ps(w[0]), xe, part[c][r]);
-                        part[c][r] = _mm512_fmadd_ps(_mm512_castsi512_ps(w[1]), xo, part[c][r]);
-                    }
+                    part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(xr[0]), part[r]);
+                    part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xr[1]), part[r]);
                 }
             }
         }
-        for (int c = 0; c < C; ++c) {
-            const __m512 d = panels[c].dm[b * 2], mm = panels[c].dm[b * 2 + 1];
-            for (int r = 0; r < R; ++r) {
-                total[c][r] = _mm512_fmadd_ps(d, part[c][r], total[c][r]);
-                if constexpr (WT == kQ4_1)
-                    total[c][r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(a.sums[(r0 + r) * blocks + b]), total[c][r]);
-            }
-        }
-    }
-    for (int c = 0; c < C; ++c) {
-        const int64_t c0 = (tile0 + c) * kTile;
-        const int cols = static_cast<int>(a.n - c0 < kTile ? a.n - c0 : kTile);
+        const __m512 d = panel.dm[b * 2], mm = panel.dm[b * 2 + 1];
         for (int r = 0; r < R; ++r) {
-            alignas(64) float y[kTile];
-            _mm512_store_ps(y, total[c][r]);
-            for (int j = 0; j < cols; ++j) {
-                const float v = a.bias ? y[j] + a.bias[c0 + j] : y[j];
-                if (a.out_dtype == kBF16)
-                    static_cast<uint16_t*>(a.out)[(r0 + r) * a.out_stride + c0 + j] = f32_to_bf16(v);
-                else
-                    static_cast<float*>(a.out)[(r0 + r) * a.out_stride + c0 + j] = v;
-            }
+            total[r] = _mm512_fmadd_ps(d, part[r], total[r]);
+            if constexpr (WT == kQ4_1) total[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(a.sums[(r0 + r) * blocks + b]), total[r]);
+        }
+    }
+    const int64_t c0 = tile * kTile;
+    const int cols = static_cast<int>(a.n - c0 < kTile ? a.n - c0 : kTile);
+    for (int r = 0; r < R; ++r) {
+        alignas(64) float y[kTile];
+        _mm512_store_ps(y, total[r]);
+        for (int c = 0; c < cols; ++c) {
+            const float v = a.bias ? y[c] + a.bias[c0 + c] : y[c];
+            if (a.out_dtype == kBF16)
+                static_cast<uint16_t*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = f32_to_bf16(v);
+            else
+                static_cast<float*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = v;
         }
     }
 }
 
-// Rows r0 .. r0 + rows - 1 (1 <= rows <= R) against the C tiles: rows_tiles instantiated for that count.
-template <int WT, int XT, int R, int C>
-void rows_dispatch(const Args& a, const Panel* panels, int64_t tile0, int64_t r0, int rows) {
+// Rows r0 .. r0 + rows - 1 (1 <= rows <= R): rows_tile instantiated for that count.
+template <int WT, int XT, int R>
+void rows_dispatch(const Args& a, const Panel& panel, int64_t tile, int64_t r0, int rows) {
     if constexpr (R > 0) {
-        if (rows == R) return rows_tiles<WT, XT, R, C>(a, panels, tile0, r0);
-        rows_dispatch<WT, XT, R - 1, C>(a, panels, tile0, r0, rows);
+        if (rows == R) return rows_tile<WT, XT, R>(a, panel, tile, r0);
+        rows_dispatch<WT, XT, R - 1>(a, panel, tile, r0, rows);
     }
 }
 
-// All rows against tiles tile0 .. tile0 + C - 1, in as few groups of at most R rows as cover them, of
-// near-equal sizes (13 rows: 7 + 6, not 8 + 5): a group of one or two rows is a short chain per lane that
-// waits on each vdpbf16ps's latency, so no group is left much smaller than the others.
-template <int WT, int XT, int R, int C>
-void all_rows(const Args& a, const Panel* panels, int64_t tile0) {
-    int64_t r = 0;
-    for (int64_t groups = (a.m + R - 1) / R; groups > 0; --groups) {
-        const int rows = static_cast<int>((a.m - r + groups - 1) / groups);
-        rows_dispatch<WT, XT, R, C>(a, panels, tile0, r, rows);
-        r += rows;
-    }
-}
-
-// Tiles are shared out in groups of C; few rows take several tiles at once (see rows_tiles), many rows one
-// tile at a time (more rows per group instead). A partial last group runs its tiles one by one.
-template <int WT, int XT, int R, int C>
-void run_groups(const Args& a, const uint8_t* w, int threads) {
-    static_assert(C <= kMaxGroup);
-    const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile, groups = (tiles + C - 1) / C;
+// Tiles are shared out among the threads; each thread unpacks a tile once, then runs every row against it in
+// as few groups of at most kRows rows as cover them, of near-equal sizes (13 rows: 7 + 6, not 8 + 5): a
+// small group is a short chain per lane that waits on each dot product's latency. (Several tiles at once
+// for few rows, to overlap those chains, measured slower: 4-tile groups split the tiles unevenly between
+// the threads.)
+template <int WT, int XT>
+void run(const Args& a, const uint8_t* w, int threads) {
+    const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile;
 #pragma omp parallel num_threads(threads)
     {
         // Kept per thread across calls: a fresh one per call cost a zeroed allocation (mmap'd, page-faulted
         // anew, for the larger layers) in every layer of every step.
-        static thread_local Panel panels[kMaxGroup];
+        static thread_local Panel panel;
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t t0 = g * C;
-            const int64_t count = tiles - t0 < C ? tiles - t0 : C;
-            for (int64_t c = 0; c < count; ++c)
-                unpack<WT, XT>(w + (t0 + c) * blocks * record_bytes(WT), blocks, panels[c]);
-            if (count == C) {
-                all_rows<WT, XT, R, C>(a, panels, t0);
-            } else {
-                for (int64_t c = 0; c < count; ++c) all_rows<WT, XT, R, 1>(a, panels + c, t0 + c);
+        for (int64_t t = 0; t < tiles; ++t) {
+            unpack<WT, XT>(w + t * blocks * record_bytes(WT), blocks, panel);
+            int64_t r = 0;
+            for (int64_t groups = (a.m + kRows - 1) / kRows; groups > 0; --groups) {
+                const int rows = static_cast<int>((a.m - r + groups - 1) / groups);
+                rows_dispatch<WT, XT, kRows>(a, panel, t, r, rows);
+                r += rows;
             }
         }
     }
-}
-
-template <int WT, int XT>
-void run(const Args& a, const uint8_t* w, int threads) {
-    if (a.m <= 2) return run_groups<WT, XT, 2, 4>(a, w, threads);
-    if (a.m <= 8) return run_groups<WT, XT, 4, 2>(a, w, threads);
-    run_groups<WT, XT, kRows, 1>(a, w, threads);
 }
 
 template <int XT>
