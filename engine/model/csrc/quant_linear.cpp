@@ -31,6 +31,7 @@ static constexpr int kBlock = 32;  // input features per GGUF block
 static constexpr int kPairs = kBlock / 2;
 static constexpr int64_t kPrefetch = 4096;  // bytes ahead of the record being unpacked
 static constexpr int kRows = 8;  // rows per group, at most: 8 partial + 8 total accumulators in registers
+static constexpr int kDirectRows = 24;  // up to this many rows, records are used as unpacked (measured crossover)
 
 static constexpr int kQ4_1 = 0;
 static constexpr int kQ8_0 = 1;
@@ -85,10 +86,10 @@ class Panel {
     std::vector<uint8_t> raw_;
 };
 
+// One record (one tile, one block of 32 inputs): its 16 pair vectors (32 for float32 activations: the even
+// inputs' q, then the odd ones') into out, and its d and m (0 for Q8_0) as float32 into dm.
 template <int WT, int XT>
-void unpack(const uint8_t* rec, int64_t blocks, Panel& panel) {
-    constexpr int per_pair = XT == kBF16 ? 1 : 2;
-    panel.resize(blocks, per_pair);
+inline void unpack_block(const uint8_t* rec, __m512i* out, __m512* dm) {
     // bfloat16 of 0..15, split into its low and high bytes: vpshufb's tables (one per 128-bit lane)
     const __m512i table_lo = _mm512_broadcast_i32x4(
         _mm_setr_epi8(0x00, static_cast<char>(0x80), 0x00, 0x40, static_cast<char>(0x80), static_cast<char>(0xa0),
@@ -97,56 +98,63 @@ void unpack(const uint8_t* rec, int64_t blocks, Panel& panel) {
     const __m512i table_hi = _mm512_broadcast_i32x4(
         _mm_setr_epi8(0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41));
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    for (int64_t b = 0; b < blocks; ++b, rec += record_bytes(WT)) {
-        // The weights stream from memory once per call: ask for the lines kPrefetch bytes ahead (the rest of
-        // this tile, then the next one, which follows it in memory) while these convert.
-        for (int64_t o = 0; o < record_bytes(WT); o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + o), _MM_HINT_T0);
-        const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec);
-        panel.dm[b * 2] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-        panel.dm[b * 2 + 1] = WT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kTile)))
-                                          : _mm512_setzero_ps();
-        const uint8_t* qs = rec + (WT == kQ4_1 ? 4 : 2) * kTile;
-        __m512i* out = panel.pairs + b * kPairs * per_pair;
-        if constexpr (WT == kQ4_1) {
-            // Each 64-byte chunk j holds pairs 4j .. 4j + 3 (repack's order): the low nibbles of each lane's
-            // first and last 8 bytes are pairs 4j and 4j + 1, the high nibbles 4j + 2 and 4j + 3. A table
-            // lookup gives each nibble's bfloat16 bytes, and interleaving them gives the words in place.
-            for (int j = 0; j < 4; ++j) {
-                const __m512i v = _mm512_loadu_si512(qs + 64 * j);
-                const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
-                for (int h = 0; h < 2; ++h) {
-                    const __m512i lo = _mm512_shuffle_epi8(table_lo, nib[h]), hi = _mm512_shuffle_epi8(table_hi, nib[h]);
-                    const __m512i pv[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
-                    for (int t = 0; t < 2; ++t) {
-                        const int p = 4 * j + 2 * h + t;
-                        if constexpr (XT == kBF16) {
-                            out[p] = pv[t];
-                        } else {  // the even inputs' q, then the odd ones', as float32 (exact)
-                            out[2 * p] = _mm512_slli_epi32(pv[t], 16);
-                            out[2 * p + 1] = _mm512_and_si512(pv[t], _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-                        }
+    // The weights stream from memory once per call: ask for the lines kPrefetch bytes ahead (the rest of this
+    // tile, then the next one, which follows it in memory) while these convert.
+    for (int64_t o = 0; o < record_bytes(WT); o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + o), _MM_HINT_T0);
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec);
+    dm[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+    dm[1] = WT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kTile)))
+                        : _mm512_setzero_ps();
+    const uint8_t* qs = rec + (WT == kQ4_1 ? 4 : 2) * kTile;
+    if constexpr (WT == kQ4_1) {
+        // Each 64-byte chunk j holds pairs 4j .. 4j + 3 (repack's order): the low nibbles of each lane's first
+        // and last 8 bytes are pairs 4j and 4j + 1, the high nibbles 4j + 2 and 4j + 3. A table lookup gives
+        // each nibble's bfloat16 bytes, and interleaving them gives the words in place.
+        for (int j = 0; j < 4; ++j) {
+            const __m512i v = _mm512_loadu_si512(qs + 64 * j);
+            const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+            for (int h = 0; h < 2; ++h) {
+                const __m512i lo = _mm512_shuffle_epi8(table_lo, nib[h]), hi = _mm512_shuffle_epi8(table_hi, nib[h]);
+                const __m512i pv[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+                for (int t = 0; t < 2; ++t) {
+                    const int p = 4 * j + 2 * h + t;
+                    if constexpr (XT == kBF16) {
+                        out[p] = pv[t];
+                    } else {  // exact: q's bfloat16 widened
+                        out[2 * p] = _mm512_slli_epi32(pv[t], 16);
+                        out[2 * p + 1] = _mm512_and_si512(pv[t], _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
                     }
                 }
             }
-        } else {
-            for (int p = 0; p < kPairs; ++p) {
-                // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
-                const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
-                if constexpr (XT == kBF16) {
-                    // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
-                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
-                    const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
-                    const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
-                    out[p] = _mm512_or_si512(lo_b, hi_b);
-                } else {
-                    out[2 * p] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16)));
-                    out[2 * p + 1] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16)));
-                }
+        }
+    } else {
+        for (int p = 0; p < kPairs; ++p) {
+            // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
+            if constexpr (XT == kBF16) {
+                // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+                const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
+                const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
+                out[p] = _mm512_or_si512(lo_b, hi_b);
+            } else {
+                out[2 * p] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16)));
+                out[2 * p + 1] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16)));
             }
         }
     }
+}
+
+constexpr int pair_vectors(int xt) { return xt == kBF16 ? kPairs : 2 * kPairs; }
+
+// A tile's records unpacked into the panel, for many rows to reuse.
+template <int WT, int XT>
+void unpack(const uint8_t* rec, int64_t blocks, Panel& panel) {
+    panel.resize(blocks, pair_vectors(XT) / kPairs);
+    for (int64_t b = 0; b < blocks; ++b)
+        unpack_block<WT, XT>(rec + b * record_bytes(WT), panel.pairs + b * pair_vectors(XT), panel.dm + 2 * b);
 }
 
 struct Args {
@@ -160,44 +168,40 @@ struct Args {
     const float* sums;  // [m][blocks]: each block's sum of x (Q4_1 only)
 };
 
-// Rows r0 .. r0 + R - 1 of one tile: every lane's arithmetic is the sequence in the header.
-// Rows r0 .. r0 + R - 1 against one tile: every lane's arithmetic is the sequence in the header.
+// One block of rows r0 .. r0 + R - 1 against one tile's unpacked block (w, dm): total += d P + m S.
 template <int WT, int XT, int R>
-void rows_tile(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
+inline void block_dot(const Args& a, const __m512i* w, const __m512* dm, int64_t b, int64_t r0, __m512* total) {
     const int64_t blocks = a.k / kBlock;
-    __m512 total[R];
-    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        __m512 part[R];
-        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-        if constexpr (XT == kBF16) {
-            const __m512i* w = panel.pairs + b * kPairs;
-            for (int p = 0; p < kPairs; ++p) {
-                const __m512bh wp = (__m512bh)w[p];
-                for (int r = 0; r < R; ++r) {
-                    const uint16_t* xr = static_cast<const uint16_t*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
-                    int32_t pair;
-                    std::memcpy(&pair, xr, 4);
-                    part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
-                }
-            }
-        } else {
-            const __m512i* w = panel.pairs + b * kPairs * 2;
-            for (int p = 0; p < kPairs; ++p) {
-                const __m512 we = _mm512_castsi512_ps(w[2 * p]), wo = _mm512_castsi512_ps(w[2 * p + 1]);
-                for (int r = 0; r < R; ++r) {
-                    const float* xr = static_cast<const float*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
-                    part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(xr[0]), part[r]);
-                    part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xr[1]), part[r]);
-                }
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    if constexpr (XT == kBF16) {
+        for (int p = 0; p < kPairs; ++p) {
+            const __m512bh wp = (__m512bh)w[p];
+            for (int r = 0; r < R; ++r) {
+                const uint16_t* xr = static_cast<const uint16_t*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
+                int32_t pair;
+                std::memcpy(&pair, xr, 4);
+                part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
             }
         }
-        const __m512 d = panel.dm[b * 2], mm = panel.dm[b * 2 + 1];
-        for (int r = 0; r < R; ++r) {
-            total[r] = _mm512_fmadd_ps(d, part[r], total[r]);
-            if constexpr (WT == kQ4_1) total[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(a.sums[(r0 + r) * blocks + b]), total[r]);
+    } else {
+        for (int p = 0; p < kPairs; ++p) {
+            const __m512 we = _mm512_castsi512_ps(w[2 * p]), wo = _mm512_castsi512_ps(w[2 * p + 1]);
+            for (int r = 0; r < R; ++r) {
+                const float* xr = static_cast<const float*>(a.x) + (r0 + r) * a.x_stride + b * kBlock + 2 * p;
+                part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(xr[0]), part[r]);
+                part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xr[1]), part[r]);
+            }
         }
     }
+    for (int r = 0; r < R; ++r) {
+        total[r] = _mm512_fmadd_ps(dm[0], part[r], total[r]);
+        if constexpr (WT == kQ4_1) total[r] = _mm512_fmadd_ps(dm[1], _mm512_set1_ps(a.sums[(r0 + r) * blocks + b]), total[r]);
+    }
+}
+
+template <int R>
+void store_rows(const Args& a, const __m512* total, int64_t tile, int64_t r0) {
     const int64_t c0 = tile * kTile;
     const int cols = static_cast<int>(a.n - c0 < kTile ? a.n - c0 : kTile);
     for (int r = 0; r < R; ++r) {
@@ -213,6 +217,52 @@ void rows_tile(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
     }
 }
 
+// Rows r0 .. r0 + R - 1 against one tile's panel: every lane's arithmetic is the sequence in the header.
+template <int WT, int XT, int R>
+void rows_tile(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.k / kBlock; ++b)
+        block_dot<WT, XT, R>(a, panel.pairs + b * pair_vectors(XT), panel.dm + 2 * b, b, r0, total);
+    store_rows<R>(a, total, tile, r0);
+}
+
+// The same for the few rows of a decode (all of them, at most kDirectRows), straight from the records: each
+// block is unpacked into registers and used at once, with no panel written and read back. Same arithmetic.
+template <int WT, int XT, int R>
+void rows_tile_direct(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0) {
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.k / kBlock; ++b, rec += record_bytes(WT)) {
+        __m512i w[pair_vectors(XT)];
+        __m512 dm[2];
+        unpack_block<WT, XT>(rec, w, dm);
+        block_dot<WT, XT, R>(a, w, dm, b, r0, total);
+    }
+    store_rows<R>(a, total, tile, r0);
+}
+
+// Rows r0 .. r0 + rows - 1 (1 <= rows <= R) against one tile, straight from its records.
+template <int WT, int XT, int R>
+void direct_dispatch(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0, int rows) {
+    if constexpr (R > 0) {
+        if (rows == R) return rows_tile_direct<WT, XT, R>(a, rec, tile, r0);
+        direct_dispatch<WT, XT, R - 1>(a, rec, tile, r0, rows);
+    }
+}
+
+// The row groups: as few of at most kRows rows as cover all rows, of near-equal sizes (13 rows: 7 + 6, not
+// 8 + 5), since a small group is a short chain per lane that waits on each dot product's latency.
+template <typename F>
+inline void for_row_groups(int64_t m, F&& group) {
+    int64_t r = 0;
+    for (int64_t groups = (m + kRows - 1) / kRows; groups > 0; --groups) {
+        const int rows = static_cast<int>((m - r + groups - 1) / groups);
+        group(r, rows);
+        r += rows;
+    }
+}
+
 // Rows r0 .. r0 + rows - 1 (1 <= rows <= R): rows_tile instantiated for that count.
 template <int WT, int XT, int R>
 void rows_dispatch(const Args& a, const Panel& panel, int64_t tile, int64_t r0, int rows) {
@@ -222,14 +272,23 @@ void rows_dispatch(const Args& a, const Panel& panel, int64_t tile, int64_t r0, 
     }
 }
 
-// Tiles are shared out among the threads; each thread unpacks a tile once, then runs every row against it in
-// as few groups of at most kRows rows as cover them, of near-equal sizes (13 rows: 7 + 6, not 8 + 5): a
-// small group is a short chain per lane that waits on each dot product's latency. (Several tiles at once
-// for few rows, to overlap those chains, measured slower: 4-tile groups split the tiles unevenly between
-// the threads.)
+// Tiles are shared out among the threads. A decode's few rows (m <= kDirectRows) read each tile's records
+// straight into registers (rows_tile_direct). More rows: each thread unpacks a tile once into its panel, then
+// runs every row against it in as few groups of at most kRows rows as cover them, of near-equal sizes (13
+// rows: 7 + 6, not 8 + 5): a small group is a short chain per lane that waits on each dot product's latency.
+// (Several tiles at once for few rows, to overlap those chains, measured slower: 4-tile groups split the tiles
+// unevenly between the threads.)
 template <int WT, int XT>
 void run(const Args& a, const uint8_t* w, int threads) {
     const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile;
+    if (a.m <= kDirectRows) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const uint8_t* rec = w + t * blocks * record_bytes(WT);
+            for_row_groups(a.m, [&](int64_t r0, int rows) { direct_dispatch<WT, XT, kRows>(a, rec, t, r0, rows); });
+        }
+        return;
+    }
 #pragma omp parallel num_threads(threads)
     {
         // Kept per thread across calls: a fresh one per call cost a zeroed allocation (mmap'd, page-faulted
@@ -238,12 +297,7 @@ void run(const Args& a, const uint8_t* w, int threads) {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             unpack<WT, XT>(w + t * blocks * record_bytes(WT), blocks, panel);
-            int64_t r = 0;
-            for (int64_t groups = (a.m + kRows - 1) / kRows; groups > 0; --groups) {
-                const int rows = static_cast<int>((a.m - r + groups - 1) / groups);
-                rows_dispatch<WT, XT, kRows>(a, panel, t, r, rows);
-                r += rows;
-            }
+            for_row_groups(a.m, [&](int64_t r0, int rows) { rows_dispatch<WT, XT, kRows>(a, panel, t, r0, rows); });
         }
     }
 }
