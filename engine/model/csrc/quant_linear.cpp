@@ -227,8 +227,9 @@ void rows_tile(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
     store_rows<R>(a, total, tile, r0);
 }
 
-// The same for the few rows of a decode (all of them, at most kDirectRows), straight from the records: each
-// block is unpacked into registers and used at once, with no panel written and read back. Same arithmetic.
+// The same straight from the records, for calls with few rows (at most kDirectRows): each block is unpacked
+// into registers and used at once, with no panel written and read back (a second row group unpacks again,
+// from cache). Same arithmetic.
 template <int WT, int XT, int R>
 void rows_tile_direct(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0) {
     __m512 total[R];
@@ -272,12 +273,11 @@ void rows_dispatch(const Args& a, const Panel& panel, int64_t tile, int64_t r0, 
     }
 }
 
-// Tiles are shared out among the threads. A decode's few rows (m <= kDirectRows) read each tile's records
-// straight into registers (rows_tile_direct). More rows: each thread unpacks a tile once into its panel, then
-// runs every row against it in as few groups of at most kRows rows as cover them, of near-equal sizes (13
-// rows: 7 + 6, not 8 + 5): a small group is a short chain per lane that waits on each dot product's latency.
-// (Several tiles at once for few rows, to overlap those chains, measured slower: 4-tile groups split the tiles
-// unevenly between the threads.)
+// Tiles are shared out among the threads, and each tile's rows run in for_row_groups' groups. Up to
+// kDirectRows rows, each group reads the tile's records straight into registers (rows_tile_direct); more
+// rows, each thread unpacks a tile once into its panel and every group reads that. (Several tiles at once
+// for few rows, to overlap their chains, measured slower: 4-tile groups split the tiles unevenly between the
+// threads.)
 template <int WT, int XT>
 void run(const Args& a, const uint8_t* w, int threads) {
     const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile;
