@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.native_kernels import load
+from engine.model.native_kernels import Elementwise, load
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _native(x: torch.Tensor):  # -> (add_rms_norm, silu_mul) kernels, or None for the torch path
+def _native(x: torch.Tensor) -> Elementwise | None:  # None: the torch path
     if x.device.type != "cpu" or x.dtype not in _DTYPES:
         return None
     kernels, _ = load()
@@ -37,7 +37,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tens
         return total, norm(total)
     h, delta = h.contiguous(), delta.contiguous()
     total, out = torch.empty_like(h), torch.empty_like(h)
-    _norm(kernels[0], h, delta, total, norm, out)
+    _norm(kernels.add_rms_norm, h, delta, total, norm, out)
     return total, out
 
 
@@ -48,7 +48,7 @@ def rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
         return norm(h)
     h = h.contiguous()
     out = torch.empty_like(h)
-    _norm(kernels[0], h, None, None, norm, out)
+    _norm(kernels.add_rms_norm, h, None, None, norm, out)
     return out
 
 
@@ -78,7 +78,9 @@ def silu_mul(gate_up: torch.Tensor, torch_silu) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, n)
-    rc = kernels[1](_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n, torch.get_num_threads())
+    rc = kernels.silu_mul(
+        _DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n, torch.get_num_threads()
+    )
     if rc:
         raise RuntimeError(f"native SiLU refused its arguments (code {rc})")
     return out
@@ -109,7 +111,7 @@ def rope_and_write(
     cos, sin = cos.reshape(t, d // 2).contiguous(), sin.reshape(t, d // 2).contiguous()
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     q = qkv.new_empty(t, heads, d)
-    rc = kernels[2](
+    rc = kernels.rope_write(
         _DTYPES[qkv.dtype],
         qkv.data_ptr(),
         qkv.stride(0),

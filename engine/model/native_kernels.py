@@ -42,13 +42,22 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 
 
 @dataclass(frozen=True, slots=True)
+class Elementwise:
+    """csrc/elementwise.cpp's entry points (see fused_ops)."""
+
+    add_rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    silu_mul: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rope_write: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+@dataclass(frozen=True, slots=True)
 class Kernels:
     path: Path
     paged_attention: ctypes._CFuncPtr  # type: ignore[name-defined]
     # None where this CPU lacks what the kernel needs (AVX512 with BF16): see quant_linear.
     quant_linear: ctypes._CFuncPtr | None  # type: ignore[name-defined]
-    # None where this CPU lacks AVX512 (see fused_ops): (add_rms_norm, silu_mul, rope_write).
-    elementwise: tuple[ctypes._CFuncPtr, ...] | None = None  # type: ignore[name-defined]
+    # None where this CPU lacks AVX512 (see fused_ops).
+    elementwise: Elementwise | None = None
 
 
 def _cpu_id() -> str:
@@ -99,7 +108,7 @@ def _bind(path: Path) -> Kernels:
         silu.argtypes = [i32, ptr, ptr, i64, i64, i32]
         rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
         norm.restype = silu.restype = rope.restype = i32
-        elementwise = (norm, silu, rope)
+        elementwise = Elementwise(norm, silu, rope)
     return Kernels(path, fn, quant, elementwise)
 
 

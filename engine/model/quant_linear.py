@@ -15,7 +15,7 @@ between ops as transformers does.
 Where it applies: the model came from a GGUF (the converted directory names its source), the device is the
 CPU, the dtype is bfloat16 or float32, the CPU has AVX512-BF16 (the kernel reports it), and every part of a
 fused layer (q/k/v, gate/up) has the same type, Q4_1 or Q8_0. Any other layer keeps the dense path.
-`--quantization none` (ModelConfig) turns it off: every layer is then dequantized to the model's dtype.
+`brine serve --quantization none` (EngineConfig.quantization) turns it off: every layer is then dequantized to the model's dtype.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.threads import set_torch_threads
+from engine.threads import on_fresh_thread, set_torch_threads
 from server import cli, serve
 
 
@@ -64,6 +65,42 @@ def test_from_config_sets_threads_before_the_model_loads(
     with pytest.raises(Loaded):
         AsyncEngine.from_config(EngineConfig(threads=other_count))
     assert seen == [other_count]
+
+
+def test_the_model_loads_on_a_thread_that_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the step thread may keep an OpenMP pool (engine.threads): the loader runs on another thread, which
+    is over before the engine starts."""
+    loaders: list[threading.Thread] = []
+
+    class Loaded(Exception):
+        pass
+
+    def fake_runner(*args: object, **kwargs: object) -> None:
+        loaders.append(threading.current_thread())
+        raise Loaded
+
+    monkeypatch.setattr(engine.model_runner, "ModelRunner", fake_runner)
+    with pytest.raises(Loaded):
+        AsyncEngine.from_config(EngineConfig())
+    assert len(loaders) == 1
+    assert loaders[0] is not threading.main_thread() and not loaders[0].is_alive()
+
+
+def test_on_fresh_thread_returns_or_raises_what_the_function_did(other_count: int) -> None:
+    ran_on: list[threading.Thread] = []
+
+    def work() -> int:
+        ran_on.append(threading.current_thread())
+        return torch.get_num_threads()
+
+    assert on_fresh_thread(work, other_count) == other_count  # the count set on that thread first
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+
+    def fail() -> None:
+        raise KeyError("from the thread")
+
+    with pytest.raises(KeyError, match="from the thread"):
+        on_fresh_thread(fail)
 
 
 def test_no_threads_leaves_torch_alone() -> None:
