@@ -2,7 +2,8 @@
 //
 // One work item is (a few consecutive query tokens of one request, one KV head); its rows are (token, query
 // head of the GQA group). It walks the request's block table from its first visible block to its last,
-// twice: pass 1 converts each block's keys to float32 (transposed, so that 16 keys are one vector) and keeps
+// twice: pass 1 converts each block's keys to float32 (transposed, so that 16 keys are one vector; in bfloat16
+// with 16-key blocks, it pairs the keys' dimensions for AVX512-BF16 dot products instead) and keeps
 // every row's scores and exact max; pass 2 converts each block's values and accumulates exp(score - max) x
 // value and the weights' sum. Nothing is gathered into contiguous tensors first, so a cached context costs
 // only its reads, and no running max is ever rescaled.
@@ -11,7 +12,8 @@
 // keys (by absolute position) and the block size. Which other rows share its item, the batch, the chunking of
 // its prompt, which physical blocks hold its keys and the thread count change none of it:
 //   - a score is a dot product over head_dim in order (explicit fmaf; -ffp-contract=off keeps the compiler
-//     from fusing anything else differently in different loops);
+//     from fusing anything else differently in different loops), or in bfloat16 with 16-key blocks, where
+//     the CPU has AVX512-BF16, vdpbf16ps over dimension pairs in order, then times the scale;
 //   - the max is exact in any order; hidden keys get weight exactly 0;
 //   - weights are summed per key lane (a key's position mod the block size) in position order, then the
 //     lanes by a fixed halving tree; weights x values are accumulated key by key in position order.
@@ -22,6 +24,13 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BRINE_BF16_SCORES 1
+#include <immintrin.h>
+#else
+#define BRINE_BF16_SCORES 0
+#endif
 
 namespace {
 
@@ -164,12 +173,53 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     for (int i = 0; i < R * BW; ++i) mx[i] = -INFINITY, ls[i] = 0.0f;
 
     const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * D;  // between positions of one block
+#if BRINE_BF16_SCORES
+    // bfloat16 with 16-key blocks: the scores come from AVX512-BF16 dot products of the bfloat16 query and
+    // keys (exact products, summed in float32 two dimensions at a time, in order), times the scale. Half the
+    // instructions of float32 FMAs; a row's arithmetic still depends only on its own query and keys.
+    constexpr bool bf16_scores = DT == kDtypeBF16 && BSC == 16 && DC > 0 && DC % 2 == 0;
+    std::vector<uint32_t> qpairs, kpairs;  // [RP][D / 2] query dimension pairs; [D / 2][16] keys' pairs
+    if constexpr (bf16_scores) {
+        qpairs.assign(static_cast<size_t>(RP) * DC / 2, 0u);  // pad rows: zero queries
+        kpairs.resize(static_cast<size_t>(DC / 2) * 16);
+        for (int t = 0; t < ntok; ++t)
+            for (int g = 0; g < G; ++g) {
+                const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
+                std::memcpy(qpairs.data() + static_cast<size_t>(t * G + g) * DC / 2,
+                            static_cast<const uint16_t*>(a.q) + qo, DC * 2);
+            }
+    }
+#else
+    constexpr bool bf16_scores = false;
+#endif
     // Pass 1: scores, s[r, k] = sum over d, in order, of q[r, d] k[k, d]; each row's max per lane.
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
+        const int col = (b - b_lo) * BS;
+#if BRINE_BF16_SCORES
+        if constexpr (bf16_scores) {
+            const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
+            for (int j = 0; j < 16; ++j)
+                for (int pr = 0; pr < DC / 2; ++pr) std::memcpy(&kpairs[pr * 16 + j], kc + base + j * key_stride + 2 * pr, 4);
+            const __m512 vscale = _mm512_set1_ps(a.scale);
+            for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
+                __m512 acc[kRowBlock];
+                for (int i = 0; i < kRowBlock; ++i) acc[i] = _mm512_setzero_ps();
+                for (int pr = 0; pr < DC / 2; ++pr) {
+                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kpairs.data() + pr * 16);
+                    for (int i = 0; i < kRowBlock; ++i) {
+                        const uint32_t qp = qpairs[static_cast<size_t>(r0 + i) * DC / 2 + pr];
+                        acc[i] = _mm512_dpbf16_ps(acc[i], kv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp)));
+                    }
+                }
+                for (int i = 0; i < kRowBlock; ++i)
+                    _mm512_storeu_ps(sc + static_cast<int64_t>(r0 + i) * span + col, _mm512_mul_ps(acc[i], vscale));
+            }
+        }
+#endif
+        if constexpr (!bf16_scores) {
         for (int j = 0; j < BS; ++j)
             for (int d = 0; d < D; ++d) kt[d * BS + j] = load<DT>(a.k_cache, base + j * key_stride + d);
-        const int col = (b - b_lo) * BS;
         for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
             // Four separate accumulators (not one 2-D array), so that the compiler keeps all in registers.
             constexpr int W = BSC ? BSC : kMaxBlock;
@@ -193,6 +243,7 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                 sr[2 * span + j] = s2[j];
                 sr[3 * span + j] = s3[j];
             }
+        }
         }
         const int k0 = b * BS;
         for (int t = 0; t < ntok; ++t) {
