@@ -1,7 +1,7 @@
 """Brine's own CPU kernels (engine/model/csrc/): compiled once per machine with the system C++ compiler.
 
 Why not a torch C++ extension: its headers take ~30 s to compile and it needs ninja; these kernels take plain
-pointers, so one `g++` call of ~1 s builds them, and ctypes (which releases the GIL during the call) runs them.
+pointers, so plain `g++` builds them (~7 s on 2 cores, the sources side by side), and ctypes (which releases the GIL during the call) runs them.
 They are built with `-march=native` for the CPU they run on, and `-fopenmp`: torch's wheel already loaded a
 `libgomp.so.1`, so the kernels share torch's OpenMP thread team instead of starting a second one that would
 compete with it for the cores.
@@ -70,21 +70,33 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str, target: Path) -> None:
+    """Compile each source to an object file, all at once (one g++ per source: ~10 s in series, about half
+    on two cores), then link them into `target` by way of a temporary file."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
+    with tempfile.TemporaryDirectory(prefix=target.name, dir=target.parent) as work:
+        objects = [str(Path(work) / f"{src.stem}.o") for src in SOURCES]
+        compile_flags = [f for f in FLAGS if f != "-shared"]
+        jobs = [
+            subprocess.Popen(
+                [compiler, *compile_flags, "-c", "-o", obj, str(src)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for src, obj in zip(SOURCES, objects, strict=True)
+        ]
+        failed = None
+        for job in jobs:
+            _, err = job.communicate(timeout=300)
+            if job.returncode and failed is None:
+                failed = subprocess.CalledProcessError(job.returncode, job.args, stderr=err)
+        if failed is not None:
+            raise failed
+        tmp = str(Path(work) / target.name)
         subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
+            [compiler, *FLAGS, "-o", tmp, *objects], check=True, capture_output=True, text=True, timeout=300
         )
         os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _bind(path: Path) -> Kernels:
@@ -114,7 +126,7 @@ def _bind(path: Path) -> Kernels:
 
 @functools.cache
 def load() -> tuple[Kernels | None, str]:
-    """(the kernels, "") or (None, why not). Builds them on first use on this machine (~1 s)."""
+    """(the kernels, "") or (None, why not). Builds them on first use on this machine (~7 s)."""
     if os.environ.get("BRINE_NATIVE_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
         return None, "BRINE_NATIVE_KERNELS=0"
     compiler = _compiler()

@@ -225,3 +225,23 @@ def test_the_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
         )
     finally:
         native_kernels.load.cache_clear()
+
+
+def test_a_source_that_does_not_compile_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    """One source failing among several (they compile side by side) gives the compiler's message, and no
+    library or temporary file is left in the cache."""
+    from engine.model import native_kernels
+
+    if native_kernels._compiler() is None:
+        pytest.skip("no C++ compiler here")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setenv("BRINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_kernels, "SOURCES", (*native_kernels.SOURCES[:1], broken))
+    native_kernels.load.cache_clear()
+    try:
+        kernels, why = native_kernels.load()
+    finally:
+        native_kernels.load.cache_clear()
+    assert kernels is None and "failed" in why and "broken.cpp" in why
+    assert not list((tmp_path / "cache" / "kernels").iterdir())
