@@ -1,7 +1,8 @@
 """Brine's own CPU kernels (engine/model/csrc/): compiled once per machine with the system C++ compiler.
 
 Why not a torch C++ extension: its headers take ~30 s to compile and it needs ninja; these kernels take plain
-pointers, so plain `g++` builds them (~7 s on 2 cores, the sources side by side), and ctypes (which releases the GIL during the call) runs them.
+pointers, so plain `g++` builds them (~7 s on 2 cores, the sources side by side), and ctypes (which releases
+the GIL during the call) runs them.
 They are built with `-march=native` for the CPU they run on, and `-fopenmp`: torch's wheel already loaded a
 `libgomp.so.1`, so the kernels share torch's OpenMP thread team instead of starting a second one that would
 compete with it for the cores.
