@@ -16,7 +16,9 @@
 //     the CPU has AVX512-BF16, vdpbf16ps over dimension pairs in order, then times the scale;
 //   - the max is exact in any order; hidden keys get weight exactly 0;
 //   - weights are summed per key lane (a key's position mod the block size) in position order, then the
-//     lanes by a fixed halving tree; weights x values are accumulated key by key in position order.
+//     lanes by a fixed halving tree; weights x values are accumulated key by key in position order (in
+//     bfloat16 with 16-key blocks and head_dim a multiple of 32, where the CPU has AVX512-BF16: the weights
+//     rounded to bfloat16 first, and accumulated key pair by key pair with vdpbf16ps).
 // So the tests compare rows computed alone, chunked, batched, on other blocks and threads bit for bit.
 
 #include <algorithm>
@@ -268,12 +270,64 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
             for (int j = 0; j < w; ++j) mr[j] = mr[j] > mr[j + w] ? mr[j] : mr[j + w];
     }
     // Pass 2: weights exp(s - max) (hidden keys exactly 0), their sums per lane, and weights x values.
+#if BRINE_BF16_SCORES
+    // bfloat16 with 16-key blocks and head_dim a multiple of 32: the weights are rounded to bfloat16 (as
+    // transformers rounds its probabilities before multiplying the values), summed as rounded, and weights x
+    // values come from vdpbf16ps over key pairs (2i, 2i + 1) of the block, all 8 pairs in order (a hidden
+    // key's weight is exactly 0). The accumulator's lanes hold the dimensions in unpack order (see below);
+    // the output is written back in order.
+    constexpr bool bf16_values = bf16_scores && DC % 32 == 0;
+    // [8 key pairs][DC / 16]: (v[2i][d], v[2i + 1][d]) dwords (a plain array: std::vector would not keep
+    // __m512i's 64-byte alignment)
+    alignas(64) __m512i vpairs[bf16_values ? 8 * DC / 16 : 1];
+#else
+    constexpr bool bf16_values = false;
+#endif
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
-        for (int j = 0; j < BS; ++j)
-            for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
         const int col = (b - b_lo) * BS;
         const int k0 = b * BS;
+#if BRINE_BF16_SCORES
+        if constexpr (bf16_values) {
+            const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache);
+            for (int jp = 0; jp < 8; ++jp)
+                for (int c = 0; c < DC / 32; ++c) {
+                    const __m512i v0 = _mm512_loadu_si512(vc + base + (2 * jp) * key_stride + 32 * c);
+                    const __m512i v1 = _mm512_loadu_si512(vc + base + (2 * jp + 1) * key_stride + 32 * c);
+                    // lane i of lo: d = 32c + 8(i / 4) + i % 4; of hi: the same + 4
+                    vpairs[jp * DC / 16 + 2 * c] = _mm512_unpacklo_epi16(v0, v1);
+                    vpairs[jp * DC / 16 + 2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
+                }
+            for (int t = 0; t < ntok; ++t) {
+                const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
+                const int vlo = std::max(first_key(t), k0) - k0;
+                if (vhi <= vlo) continue;
+                for (int g = 0; g < G; ++g) {
+                    const int r = t * G + g;
+                    const float* sr = sc + static_cast<int64_t>(r) * span + col;
+                    const float m = mx[r * BW];
+                    float* lr = ls + r * BW;
+                    uint16_t pb[16];
+                    for (int j = 0; j < 16; ++j) {
+                        pb[j] = (j >= vlo && j < vhi) ? f32_to_bf16(exp_nonpos(sr[j] - m)) : 0;
+                        lr[j] += bf16_to_f32(pb[j]);
+                    }
+                    __m512 o[DC / 16];
+                    float* ar = acc + r * D;
+                    for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_loadu_ps(ar + 16 * i);
+                    for (int jp = 0; jp < 8; ++jp) {
+                        const int32_t wp = static_cast<int32_t>(pb[2 * jp] | (static_cast<uint32_t>(pb[2 * jp + 1]) << 16));
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32(wp);
+                        for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)vpairs[jp * DC / 16 + i], w);
+                    }
+                    for (int i = 0; i < DC / 16; ++i) _mm512_storeu_ps(ar + 16 * i, o[i]);
+                }
+            }
+        }
+#endif
+        if constexpr (bf16_values) continue;
+        for (int j = 0; j < BS; ++j)
+            for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
         for (int t = 0; t < ntok; ++t) {
             const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
             const int vlo = std::max(first_key(t), k0) - k0;
@@ -333,7 +387,14 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
             for (int w = BW / 2; w >= 1; w /= 2)
                 for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
             const float lr = lanes[0] > 0.0f ? lanes[0] : 1.0f;  // a row that sees no key (not causal): 0
-            for (int d = 0; d < D; ++d) store<DT>(a.out, oo + d, acc[r * D + d] / lr);
+            for (int d = 0; d < D; ++d) {
+                int at = d;  // where dimension d accumulated
+                if constexpr (bf16_values) {
+                    const int c = d / 32, l = (d % 32) / 8, k = d % 8;
+                    at = (2 * c + (k >= 4)) * 16 + 4 * l + k % 4;
+                }
+                store<DT>(a.out, oo + d, acc[r * D + at] / lr);
+            }
         }
     }
 }
