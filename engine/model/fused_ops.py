@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.native_kernels import Elementwise, load
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from engine.model.native_kernels import FLOAT32_BF16_CODES, Elementwise, load
 
 
 def _native(x: torch.Tensor) -> Elementwise | None:  # None: the torch path
-    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+    if x.device.type != "cpu" or x.dtype not in FLOAT32_BF16_CODES:
         return None
     kernels, _ = load()
     return None if kernels is None else kernels.elementwise
@@ -54,7 +52,7 @@ def rms_norm(h: torch.Tensor, norm) -> torch.Tensor:
 
 def _norm(fn, h: torch.Tensor, delta, total, norm, out: torch.Tensor) -> None:
     rc = fn(
-        _DTYPES[h.dtype],
+        FLOAT32_BF16_CODES[h.dtype],
         h.data_ptr(),
         None if delta is None else delta.data_ptr(),
         None if total is None else total.data_ptr(),
@@ -79,7 +77,7 @@ def silu_mul(gate_up: torch.Tensor, torch_silu) -> torch.Tensor:
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, n)
     rc = kernels.silu_mul(
-        _DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n, torch.get_num_threads()
+        FLOAT32_BF16_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n, torch.get_num_threads()
     )
     if rc:
         raise RuntimeError(f"native SiLU refused its arguments (code {rc})")
@@ -112,7 +110,7 @@ def rope_and_write(
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     q = qkv.new_empty(t, heads, d)
     rc = kernels.rope_write(
-        _DTYPES[qkv.dtype],
+        FLOAT32_BF16_CODES[qkv.dtype],
         qkv.data_ptr(),
         qkv.stride(0),
         cos.data_ptr(),

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.attention import AttentionMetadata
-from engine.model.native_kernels import Kernels
+from engine.model.native_kernels import DTYPE_CODES, Kernels
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ITEM_TOKENS = 16  # query tokens of one request per work item: they share each block's conversion
 
 

@@ -7,7 +7,7 @@ They are built with `-march=native` for the CPU they run on, and `-fopenmp`: tor
 `libgomp.so.1`, so the kernels share torch's OpenMP thread team instead of starting a second one that would
 compete with it for the cores.
 
-The library is cached under `$BRINE_CACHE/kernels/`, named by a digest of the source, the flags, the
+The library is cached under `$BRINE_CACHE/kernels/`, named by a digest of the sources and header, the flags, the
 compiler's version and this CPU's feature flags, so a changed source or a moved cache (another CPU) builds
 anew. A build writes a temporary file and renames it into place: concurrent starts never load half a file.
 Where no compiler is found or the build fails, `load()` returns None with the reason, and callers keep the
@@ -28,15 +28,20 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.model.files import cache_dir
 from engine.model.invariance import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name
-    for name in ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp")
-)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp"))
+HEADERS = (CSRC / "dtypes.h",)  # included by the sources (found through -I CSRC): part of the cache key
+# The dtype codes of csrc/dtypes.h. The attention takes all three; the quantized linear and the elementwise
+# kernels take float32 and bfloat16 only.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FLOAT32_BF16_CODES = {dt: code for dt, code in DTYPE_CODES.items() if dt != torch.float16}
 ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
 QUANT_ABI = 1  # what brine_quant_linear_abi() must return
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
@@ -76,7 +81,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=target.name, dir=target.parent) as work:
         objects = [str(Path(work) / f"{src.stem}.o") for src in SOURCES]
-        compile_flags = [f for f in FLAGS if f != "-shared"]
+        compile_flags = [f for f in FLAGS if f != "-shared"] + ["-I", str(CSRC)]
         jobs = [
             subprocess.Popen(
                 [compiler, *compile_flags, "-c", "-o", obj, str(src)],
@@ -132,7 +137,7 @@ def load() -> tuple[Kernels | None, str]:
         return None, "BRINE_NATIVE_KERNELS=0"
     compiler = _compiler()
     try:
-        source = b"\0".join(path.read_bytes() for path in SOURCES)
+        source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     except OSError as e:
         return None, f"kernel source missing: {e}"
     if compiler is None:

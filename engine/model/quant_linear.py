@@ -31,7 +31,7 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.gguf_convert import unpermute_rotary
 from engine.model.llama import LlamaForCausalLM
-from engine.model.native_kernels import Kernels
+from engine.model.native_kernels import FLOAT32_BF16_CODES, Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ GGML_Q4_1, GGML_Q8_0 = 3, 8
 KERNEL_TYPE = {GGML_Q4_1: 0, GGML_Q8_0: 1}
 _BLOCK_BYTES = {GGML_Q4_1: 20, GGML_Q8_0: 34}  # per 32 weights, as GGUF stores them
 TILE, BLOCK = 16, 32
-_KERNEL_DTYPE = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def repack(raw: np.ndarray, ggml_type: int, in_features: int) -> np.ndarray:
@@ -105,7 +104,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        dtype = _KERNEL_DTYPE.get(x.dtype)
+        dtype = FLOAT32_BF16_CODES.get(x.dtype)
         if dtype is None or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(
                 f"QuantLinear takes [M, {self.in_features}] float32 or bfloat16, got {x.dtype} {x.shape}"

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtypes.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define BRINE_ELEMENTWISE 1
 #include <immintrin.h>
@@ -28,8 +30,8 @@
 #define BRINE_ELEMENTWISE 0
 #endif
 
-static constexpr int kEwF32 = 0;
-static constexpr int kEwBF16 = 1;
+using brine::kDtypeBF16;
+using brine::kDtypeF32;
 
 #if BRINE_ELEMENTWISE
 namespace {
@@ -37,7 +39,7 @@ namespace {
 // Load 16 (or fewer, masked: the rest read as 0) values of the model dtype as float32.
 template <int DT>
 inline __m512 load16(const void* p, int64_t i, __mmask16 mask) {
-    if constexpr (DT == kEwF32) {
+    if constexpr (DT == kDtypeF32) {
         return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
     } else {
         const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
@@ -58,7 +60,7 @@ inline __m256i to_bf16(__m512 v) {
 // The model dtype's rounding of float32 values (identity for float32).
 template <int DT>
 inline __m512 round_dtype(__m512 v) {
-    if constexpr (DT == kEwF32) {
+    if constexpr (DT == kDtypeF32) {
         return v;
     } else {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
@@ -67,7 +69,7 @@ inline __m512 round_dtype(__m512 v) {
 
 template <int DT>
 inline void store16(void* p, int64_t i, __m512 v, __mmask16 mask) {
-    if constexpr (DT == kEwF32) {
+    if constexpr (DT == kDtypeF32) {
         _mm512_mask_storeu_ps(static_cast<float*>(p) + i, mask, v);
     } else {
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, mask, to_bf16(v));
@@ -171,9 +173,9 @@ void rope_write(const void* qkv, int64_t qkv_stride, const void* cos, const void
         for (int j = 0; j < heads; ++j) rope_head<DT>(qkv, row + j * dim, cos, sin, t * half, q_out, (t * heads + j) * dim, half);
         for (int j = 0; j < kv_heads; ++j)
             rope_head<DT>(qkv, row + (heads + j) * dim, cos, sin, t * half, k_cache, (slot * kv_heads + j) * dim, half);
-        const size_t bytes = static_cast<size_t>(kv_heads) * dim * (DT == kEwF32 ? 4 : 2);
+        const size_t bytes = static_cast<size_t>(kv_heads) * dim * (DT == kDtypeF32 ? 4 : 2);
         const int64_t v0 = row + static_cast<int64_t>(heads + kv_heads) * dim;
-        std::memcpy(static_cast<char*>(v_cache) + slot * bytes, static_cast<const char*>(qkv) + v0 * (DT == kEwF32 ? 4 : 2), bytes);
+        std::memcpy(static_cast<char*>(v_cache) + slot * bytes, static_cast<const char*>(qkv) + v0 * (DT == kDtypeF32 ? 4 : 2), bytes);
     }
 }
 
@@ -189,12 +191,12 @@ int brine_elementwise_supported() { return BRINE_ELEMENTWISE; }
 // Returns non-zero for arguments it refuses.
 int brine_add_rms_norm(int dtype, const void* h, const void* delta, void* h_sum, const void* weight, void* out,
                        int64_t rows, int64_t n, float eps, int threads) {
-    if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kEwF32 && dtype != kEwBF16)) return 1;
+    if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kDtypeF32 && dtype != kDtypeBF16)) return 1;
 #if BRINE_ELEMENTWISE
-    if (dtype == kEwF32)
-        add_rms_norm<kEwF32>(h, delta, h_sum, weight, out, rows, n, eps, threads);
+    if (dtype == kDtypeF32)
+        add_rms_norm<kDtypeF32>(h, delta, h_sum, weight, out, rows, n, eps, threads);
     else
-        add_rms_norm<kEwBF16>(h, delta, h_sum, weight, out, rows, n, eps, threads);
+        add_rms_norm<kDtypeBF16>(h, delta, h_sum, weight, out, rows, n, eps, threads);
     return 0;
 #else
     (void)h, (void)delta, (void)h_sum, (void)weight, (void)out, (void)eps;
@@ -204,12 +206,12 @@ int brine_add_rms_norm(int dtype, const void* h, const void* delta, void* h_sum,
 
 // gate_up [rows, 2n] (gate, then up), out [rows, n]; contiguous, of `dtype`.
 int brine_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t n, int threads) {
-    if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kEwF32 && dtype != kEwBF16)) return 1;
+    if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kDtypeF32 && dtype != kDtypeBF16)) return 1;
 #if BRINE_ELEMENTWISE
-    if (dtype == kEwF32)
-        silu_mul<kEwF32>(gate_up, out, rows, n, threads);
+    if (dtype == kDtypeF32)
+        silu_mul<kDtypeF32>(gate_up, out, rows, n, threads);
     else
-        silu_mul<kEwBF16>(gate_up, out, rows, n, threads);
+        silu_mul<kDtypeBF16>(gate_up, out, rows, n, threads);
     return 0;
 #else
     (void)gate_up, (void)out;
@@ -224,13 +226,13 @@ int brine_rope_write(int dtype, const void* qkv, int64_t qkv_stride, const void*
                      const int64_t* slots, void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads,
                      int kv_heads, int dim, int threads) {
     if (tokens < 0 || heads <= 0 || kv_heads <= 0 || dim <= 0 || dim % 2 || threads <= 0 ||
-        (dtype != kEwF32 && dtype != kEwBF16))
+        (dtype != kDtypeF32 && dtype != kDtypeBF16))
         return 1;
 #if BRINE_ELEMENTWISE
-    if (dtype == kEwF32)
-        rope_write<kEwF32>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
+    if (dtype == kDtypeF32)
+        rope_write<kDtypeF32>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
     else
-        rope_write<kEwBF16>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
+        rope_write<kDtypeBF16>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
     return 0;
 #else
     (void)qkv, (void)qkv_stride, (void)cos, (void)sin, (void)slots, (void)k_cache, (void)v_cache, (void)q_out;

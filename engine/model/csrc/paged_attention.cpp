@@ -27,6 +27,8 @@
 #include <cstring>
 #include <vector>
 
+#include "dtypes.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BRINE_BF16_SCORES 1
 #include <immintrin.h>
@@ -36,24 +38,7 @@
 
 namespace {
 
-constexpr int kDtypeF32 = 0;
-constexpr int kDtypeBF16 = 1;
-constexpr int kDtypeF16 = 2;
-
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
+using namespace brine;
 
 template <int DT>
 inline float load(const void* p, int64_t i) {
@@ -163,14 +148,6 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     float* kt = ls + R * BW;     // [D, BS] one block's keys, transposed
     float* vf = kt + D * BS;     // [BS, D] one block's values
 
-    for (int t = 0; t < ntok; ++t) {
-        for (int g = 0; g < G; ++g) {
-            const int r = t * G + g;
-            const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
-            for (int d = 0; d < D; ++d) qf[r * D + d] = load<DT>(a.q, qo + d) * a.scale;
-        }
-    }
-    for (int i = R * D; i < RP * D; ++i) qf[i] = 0.0f;
     for (int i = 0; i < R * D; ++i) acc[i] = 0.0f;
     for (int i = 0; i < R * BW; ++i) mx[i] = -INFINITY, ls[i] = 0.0f;
 
@@ -194,6 +171,16 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
 #else
     constexpr bool bf16_scores = false;
 #endif
+    if constexpr (!bf16_scores) {  // float32 queries, scaled, for the FMA scores
+        for (int t = 0; t < ntok; ++t) {
+            for (int g = 0; g < G; ++g) {
+                const int r = t * G + g;
+                const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
+                for (int d = 0; d < D; ++d) qf[r * D + d] = load<DT>(a.q, qo + d) * a.scale;
+            }
+        }
+        for (int i = R * D; i < RP * D; ++i) qf[i] = 0.0f;
+    }
     // Pass 1: scores, s[r, k] = sum over d, in order, of q[r, d] k[k, d]; each row's max per lane.
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
@@ -287,8 +274,8 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
         const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
         const int k0 = b * BS;
-#if BRINE_BF16_SCORES
         if constexpr (bf16_values) {
+#if BRINE_BF16_SCORES
             const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache);
             for (int jp = 0; jp < 8; ++jp)
                 for (int c = 0; c < DC / 32; ++c) {
@@ -298,36 +285,11 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                     vpairs[jp * DC / 16 + 2 * c] = _mm512_unpacklo_epi16(v0, v1);
                     vpairs[jp * DC / 16 + 2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
                 }
-            for (int t = 0; t < ntok; ++t) {
-                const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
-                const int vlo = std::max(first_key(t), k0) - k0;
-                if (vhi <= vlo) continue;
-                for (int g = 0; g < G; ++g) {
-                    const int r = t * G + g;
-                    const float* sr = sc + static_cast<int64_t>(r) * span + col;
-                    const float m = mx[r * BW];
-                    float* lr = ls + r * BW;
-                    uint16_t pb[16];
-                    for (int j = 0; j < 16; ++j) {
-                        pb[j] = (j >= vlo && j < vhi) ? f32_to_bf16(exp_nonpos(sr[j] - m)) : 0;
-                        lr[j] += bf16_to_f32(pb[j]);
-                    }
-                    __m512 o[DC / 16];
-                    float* ar = acc + r * D;
-                    for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_loadu_ps(ar + 16 * i);
-                    for (int jp = 0; jp < 8; ++jp) {
-                        const int32_t wp = static_cast<int32_t>(pb[2 * jp] | (static_cast<uint32_t>(pb[2 * jp + 1]) << 16));
-                        const __m512bh w = (__m512bh)_mm512_set1_epi32(wp);
-                        for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)vpairs[jp * DC / 16 + i], w);
-                    }
-                    for (int i = 0; i < DC / 16; ++i) _mm512_storeu_ps(ar + 16 * i, o[i]);
-                }
-            }
-        }
 #endif
-        if constexpr (bf16_values) continue;
-        for (int j = 0; j < BS; ++j)
-            for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
+        } else {
+            for (int j = 0; j < BS; ++j)
+                for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
+        }
         for (int t = 0; t < ntok; ++t) {
             const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
             const int vlo = std::max(first_key(t), k0) - k0;
@@ -338,43 +300,63 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                 const float m = mx[r * BW];
                 float* lr = ls + r * BW;
                 float p[BSC ? BSC : kMaxBlock];
+                uint16_t pb[bf16_values ? 16 : 1];  // bfloat16 weights: summed as they are multiplied
                 for (int j = 0; j < BS; ++j) {
                     const float e = exp_nonpos(sr[j] - m);
                     p[j] = (j >= vlo && j < vhi) ? e : 0.0f;
+                    if constexpr (bf16_values) {
+                        pb[j] = f32_to_bf16(p[j]);
+                        p[j] = bf16_to_f32(pb[j]);
+                    }
                     lr[j] += p[j];
                 }
-                // Output += weights x values, key by key in order, 64 columns at a time in four registers.
-                float* ar = acc + r * D;
-                int d0 = 0;
-                for (; d0 + 64 <= D; d0 += 64) {
-                    float o0[16], o1[16], o2[16], o3[16];
-                    for (int i = 0; i < 16; ++i) {
-                        o0[i] = ar[d0 + i];
-                        o1[i] = ar[d0 + 16 + i];
-                        o2[i] = ar[d0 + 32 + i];
-                        o3[i] = ar[d0 + 48 + i];
+                if constexpr (bf16_values) {
+#if BRINE_BF16_SCORES
+                    // Output += weights x values, key pair by key pair in order (all 8: hidden weights are 0).
+                    __m512 o[DC / 16];
+                    float* ar = acc + r * D;
+                    for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_loadu_ps(ar + 16 * i);
+                    for (int jp = 0; jp < 8; ++jp) {
+                        const uint32_t pair = pb[2 * jp] | (static_cast<uint32_t>(pb[2 * jp + 1]) << 16);
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+                        for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)vpairs[jp * DC / 16 + i], w);
                     }
-                    for (int j = vlo; j < vhi; ++j) {
-                        const float pj = p[j];
-                        const float* vj = vf + j * D + d0;
+                    for (int i = 0; i < DC / 16; ++i) _mm512_storeu_ps(ar + 16 * i, o[i]);
+#endif
+                } else {
+                    // Output += weights x values, key by key in order, 64 columns at a time in four registers.
+                    float* ar = acc + r * D;
+                    int d0 = 0;
+                    for (; d0 + 64 <= D; d0 += 64) {
+                        float o0[16], o1[16], o2[16], o3[16];
                         for (int i = 0; i < 16; ++i) {
-                            o0[i] = std::fma(pj, vj[i], o0[i]);
-                            o1[i] = std::fma(pj, vj[16 + i], o1[i]);
-                            o2[i] = std::fma(pj, vj[32 + i], o2[i]);
-                            o3[i] = std::fma(pj, vj[48 + i], o3[i]);
+                            o0[i] = ar[d0 + i];
+                            o1[i] = ar[d0 + 16 + i];
+                            o2[i] = ar[d0 + 32 + i];
+                            o3[i] = ar[d0 + 48 + i];
+                        }
+                        for (int j = vlo; j < vhi; ++j) {
+                            const float pj = p[j];
+                            const float* vj = vf + j * D + d0;
+                            for (int i = 0; i < 16; ++i) {
+                                o0[i] = std::fma(pj, vj[i], o0[i]);
+                                o1[i] = std::fma(pj, vj[16 + i], o1[i]);
+                                o2[i] = std::fma(pj, vj[32 + i], o2[i]);
+                                o3[i] = std::fma(pj, vj[48 + i], o3[i]);
+                            }
+                        }
+                        for (int i = 0; i < 16; ++i) {
+                            ar[d0 + i] = o0[i];
+                            ar[d0 + 16 + i] = o1[i];
+                            ar[d0 + 32 + i] = o2[i];
+                            ar[d0 + 48 + i] = o3[i];
                         }
                     }
-                    for (int i = 0; i < 16; ++i) {
-                        ar[d0 + i] = o0[i];
-                        ar[d0 + 16 + i] = o1[i];
-                        ar[d0 + 32 + i] = o2[i];
-                        ar[d0 + 48 + i] = o3[i];
+                    for (int d = d0; d < D; ++d) {  // head_dim not a multiple of 64: the rest, the same arithmetic
+                        float o = ar[d];
+                        for (int j = vlo; j < vhi; ++j) o = std::fma(p[j], vf[j * D + d], o);
+                        ar[d] = o;
                     }
-                }
-                for (int d = d0; d < D; ++d) {  // head_dim not a multiple of 64: the rest, the same arithmetic
-                    float o = ar[d];
-                    for (int j = vlo; j < vhi; ++j) o = std::fma(p[j], vf[j * D + d], o);
-                    ar[d] = o;
                 }
             }
         }

@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "dtypes.h"
+
 static constexpr int kTile = 16;   // output features per tile: one 512-bit vector of float32
 static constexpr int kBlock = 32;  // input features per GGUF block
 static constexpr int kPairs = kBlock / 2;
@@ -35,8 +37,8 @@ static constexpr int kDirectRows = 24;  // up to this many rows, records are use
 
 static constexpr int kQ4_1 = 0;
 static constexpr int kQ8_0 = 1;
-static constexpr int kF32 = 0;
-static constexpr int kBF16 = 1;
+using brine::kDtypeBF16;
+using brine::kDtypeF32;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define BRINE_QUANT_LINEAR 1
@@ -48,23 +50,11 @@ static constexpr int kBF16 = 1;
 #if BRINE_QUANT_LINEAR
 namespace {
 
+using brine::bf16_to_f32;
+using brine::f32_to_bf16;
+
 
 constexpr int64_t record_bytes(int wtype) { return wtype == kQ4_1 ? 2 * 2 * kTile + kPairs * kTile : 2 * kTile + kPairs * kTile * 2; }
-
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
 
 // One tile's weights unpacked for the whole K: per block, 16 pair vectors and the d and m vectors.
 // bf16 activations: a pair vector is 32 bfloat16 (q[c][2p], q[c][2p+1]) for c = 0..15.
@@ -119,7 +109,7 @@ inline void unpack_block(const uint8_t* rec, __m512i* out, __m512* dm) {
                 const __m512i pv[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
                 for (int t = 0; t < 2; ++t) {
                     const int p = 4 * j + 2 * h + t;
-                    if constexpr (XT == kBF16) {
+                    if constexpr (XT == kDtypeBF16) {
                         out[p] = pv[t];
                     } else {  // exact: q's bfloat16 widened
                         out[2 * p] = _mm512_slli_epi32(pv[t], 16);
@@ -132,7 +122,7 @@ inline void unpack_block(const uint8_t* rec, __m512i* out, __m512* dm) {
         for (int p = 0; p < kPairs; ++p) {
             // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
             const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
-            if constexpr (XT == kBF16) {
+            if constexpr (XT == kDtypeBF16) {
                 // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
                 const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
                 const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
@@ -147,7 +137,7 @@ inline void unpack_block(const uint8_t* rec, __m512i* out, __m512* dm) {
     }
 }
 
-constexpr int pair_vectors(int xt) { return xt == kBF16 ? kPairs : 2 * kPairs; }
+constexpr int pair_vectors(int xt) { return xt == kDtypeBF16 ? kPairs : 2 * kPairs; }
 
 // A tile's records unpacked into the panel, for many rows to reuse.
 template <int WT, int XT>
@@ -174,7 +164,7 @@ inline void block_dot(const Args& a, const __m512i* w, const __m512* dm, int64_t
     const int64_t blocks = a.k / kBlock;
     __m512 part[R];
     for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-    if constexpr (XT == kBF16) {
+    if constexpr (XT == kDtypeBF16) {
         for (int p = 0; p < kPairs; ++p) {
             const __m512bh wp = (__m512bh)w[p];
             for (int r = 0; r < R; ++r) {
@@ -209,7 +199,7 @@ void store_rows(const Args& a, const __m512* total, int64_t tile, int64_t r0) {
         _mm512_store_ps(y, total[r]);
         for (int c = 0; c < cols; ++c) {
             const float v = a.bias ? y[c] + a.bias[c0 + c] : y[c];
-            if (a.out_dtype == kBF16)
+            if (a.out_dtype == kDtypeBF16)
                 static_cast<uint16_t*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = f32_to_bf16(v);
             else
                 static_cast<float*>(a.out)[(r0 + r) * a.out_stride + c0 + c] = v;
@@ -311,7 +301,7 @@ void block_sums(const void* x, int64_t x_stride, int64_t m, int64_t k, float* su
             float s = 0.0f;  // in order: fixed, whatever the thread
             for (int i = 0; i < kBlock; ++i) {
                 const int64_t j = r * x_stride + b * kBlock + i;
-                s += XT == kBF16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[j]) : static_cast<const float*>(x)[j];
+                s += XT == kDtypeBF16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[j]) : static_cast<const float*>(x)[j];
             }
             sums[r * blocks + b] = s;
         }
@@ -334,7 +324,7 @@ int brine_quant_linear(int wtype, const uint8_t* w, int64_t n, int64_t k, int x_
                        int64_t x_stride, const float* bias, void* out, int64_t out_stride, int out_dtype,
                        int threads) {
     if (n <= 0 || k <= 0 || k % kBlock != 0 || m < 0 || threads <= 0 || (wtype != kQ4_1 && wtype != kQ8_0) ||
-        (x_dtype != kF32 && x_dtype != kBF16) || (out_dtype != kF32 && out_dtype != kBF16))
+        (x_dtype != kDtypeF32 && x_dtype != kDtypeBF16) || (out_dtype != kDtypeF32 && out_dtype != kDtypeBF16))
         return 1;
     if (m == 0) return 0;
 #if !BRINE_QUANT_LINEAR
@@ -344,16 +334,16 @@ int brine_quant_linear(int wtype, const uint8_t* w, int64_t n, int64_t k, int x_
     std::vector<float> sums;
     if (wtype == kQ4_1) {
         sums.resize(static_cast<size_t>(m * (k / kBlock)));
-        if (x_dtype == kBF16)
-            block_sums<kBF16>(x, x_stride, m, k, sums.data(), threads);
+        if (x_dtype == kDtypeBF16)
+            block_sums<kDtypeBF16>(x, x_stride, m, k, sums.data(), threads);
         else
-            block_sums<kF32>(x, x_stride, m, k, sums.data(), threads);
+            block_sums<kDtypeF32>(x, x_stride, m, k, sums.data(), threads);
     }
     const Args a{n, k, m, x, x_stride, bias, out, out_stride, out_dtype, sums.data()};
-    if (wtype == kQ4_1 && x_dtype == kBF16) run<kQ4_1, kBF16>(a, w, threads);
-    else if (wtype == kQ4_1) run<kQ4_1, kF32>(a, w, threads);
-    else if (x_dtype == kBF16) run<kQ8_0, kBF16>(a, w, threads);
-    else run<kQ8_0, kF32>(a, w, threads);
+    if (wtype == kQ4_1 && x_dtype == kDtypeBF16) run<kQ4_1, kDtypeBF16>(a, w, threads);
+    else if (wtype == kQ4_1) run<kQ4_1, kDtypeF32>(a, w, threads);
+    else if (x_dtype == kDtypeBF16) run<kQ8_0, kDtypeBF16>(a, w, threads);
+    else run<kQ8_0, kDtypeF32>(a, w, threads);
     return 0;
 #endif
 }
