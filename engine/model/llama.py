@@ -100,27 +100,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, h, d)), *rope)  # [T, H, D]
-            k = apply_rope(
-                self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d)), *rope
-            )
-        elif getattr(backend, "reads_keys_from_cache", False) and (
-            (fused := fused_ops.rope_and_write(qkv, rope, slot_mapping, k_cache, v_cache, h)) is not None
-        ):
+        fused = None
+        if self.q_norm is None and getattr(backend, "reads_keys_from_cache", False):
             # One native call rotates q and k and writes k and v to the cache, which is all the backend reads.
-            o = backend.forward(
-                fused, qkv[:0], qkv[:0], k_cache, v_cache, plan, self.sliding_window, self.scale
-            )
-            return self.o_proj(o.reshape(t, self.q_size))
+            fused = fused_ops.rope_and_write(qkv, rope, slot_mapping, k_cache, v_cache, h)
+        if fused is not None:
+            q, k, v = fused, qkv[:0], qkv[:0]
         else:
-            # q and k rotate together: one set of elementwise ops instead of two (decode is op-bound).
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), *rope)
-            q, k = qk[:, :h], qk[:, h:]
-        # Every token of the step is in the cache before any request attends: a request may read blocks
-        # that another request of the same step is filling.
-        write_slots(k_cache, v_cache, k, v, slot_mapping)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)  # [T, Hkv, D]
+            if self.q_norm is not None and self.k_norm is not None:
+                q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, h, d)), *rope)  # [T, H, D]
+                k = apply_rope(
+                    self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d)), *rope
+                )
+            else:
+                # q and k rotate together: one set of elementwise ops instead of two (decode is op-bound).
+                qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), *rope)
+                q, k = qk[:, :h], qk[:, h:]
+            # Every token of the step is in the cache before any request attends: a request may read blocks
+            # that another request of the same step is filling.
+            write_slots(k_cache, v_cache, k, v, slot_mapping)
         o = backend.forward(q, k, v, k_cache, v_cache, plan, self.sliding_window, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
