@@ -49,41 +49,37 @@ async def test_the_step_thread_computes_with_the_asked_threads(other_count: int)
     assert runner.seen and set(runner.seen) == {other_count}
 
 
-def test_from_config_sets_threads_before_the_model_loads(
-    other_count: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen: list[int] = []
+def _model_load(monkeypatch: pytest.MonkeyPatch, config: EngineConfig) -> tuple[int, threading.Thread]:
+    """torch's thread count and the thread that from_config's one ModelRunner(...) call ran with (a fake
+    that stops the start there)."""
+    seen: list[tuple[int, threading.Thread]] = []
 
     class Loaded(Exception):
         pass
 
     def fake_runner(*args: object, **kwargs: object) -> None:
-        seen.append(torch.get_num_threads())
+        seen.append((torch.get_num_threads(), threading.current_thread()))
         raise Loaded
 
     monkeypatch.setattr(engine.model_runner, "ModelRunner", fake_runner)
     with pytest.raises(Loaded):
-        AsyncEngine.from_config(EngineConfig(threads=other_count))
-    assert seen == [other_count]
+        AsyncEngine.from_config(config)
+    assert len(seen) == 1
+    return seen[0]
+
+
+def test_from_config_sets_threads_before_the_model_loads(
+    other_count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads, _ = _model_load(monkeypatch, EngineConfig(threads=other_count))
+    assert threads == other_count
 
 
 def test_the_model_loads_on_a_thread_that_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the step thread may keep an OpenMP pool (engine.threads): the loader runs on another thread, which
     is over before the engine starts."""
-    loaders: list[threading.Thread] = []
-
-    class Loaded(Exception):
-        pass
-
-    def fake_runner(*args: object, **kwargs: object) -> None:
-        loaders.append(threading.current_thread())
-        raise Loaded
-
-    monkeypatch.setattr(engine.model_runner, "ModelRunner", fake_runner)
-    with pytest.raises(Loaded):
-        AsyncEngine.from_config(EngineConfig())
-    assert len(loaders) == 1
-    assert loaders[0] is not threading.main_thread() and not loaders[0].is_alive()
+    _, loader = _model_load(monkeypatch, EngineConfig())
+    assert loader is not threading.main_thread() and not loader.is_alive()
 
 
 def test_on_fresh_thread_returns_or_raises_what_the_function_did(other_count: int) -> None:
