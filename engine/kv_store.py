@@ -87,6 +87,16 @@ class KVStore:
             raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({need} bytes)")
         return cls(num_layers, budget_bytes // need, block_size, num_kv_heads, head_dim, dtype, device)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, K and V of every layer, (source, destination) pairs: every source is read before
+        any destination is written, so a block may be one pair's destination and a later pair's source."""
+        if not copies:
+            return
+        index = torch.tensor(copies, dtype=torch.int64).to(self.device)
+        src, dst = index[:, 0], index[:, 1]
+        for cache in (*self.k_caches, *self.v_caches):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
 
 def write_slots(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor

@@ -121,6 +121,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.block_copies:
+            self.kv.copy_blocks(out.block_copies)
         if not out.scheduled:
             return RunnerOutput({})
         step = self._prepare(out.scheduled)

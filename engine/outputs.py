@@ -57,6 +57,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int  # sum of len(new_token_ids)
+    # (source, destination) KV blocks to copy, in every layer, before the step writes any KV: reading every
+    # source before writing any destination (kv_cache.manager: the tail of a prefix hit).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -171,7 +171,7 @@ class Scheduler:
             budget -= num_new
         budget = self._top_up(scheduled, cut, budget)
         self._finished_since_schedule = False
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget)
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, self.kv.end_pass())
 
     # ---- fairness --------------------------------------------------------------------------------------
 

@@ -9,6 +9,12 @@ object per block on the scheduler's hot path). Rules the pool keeps:
   request's blocks in reverse so that the deepest block of a chain is evicted first.
 - One hash may be held by several blocks (two requests that computed the same prefix without sharing it);
   lookups return the first one cached.
+- Tails (token-granular reuse, see `longest_tail`): a block may also be filed under a tail key
+  (`BlockHasher.tail_key`) with the tokens whose KV it holds. Every cached block is filed (all its tokens), so is
+  a request's last, partly filled block once the request frees it (`add_partial`: free, no hash, the tokens it
+  computed). A tail entry goes when its block is taken, loses its hash, or is forgotten. Blocks cached during
+  the current scheduling pass are `fresh` (their KV is written by the coming step), so no tail lookup returns
+  them until `end_pass()`.
 - A cached block may carry an owner (`kv_cache.namespace.Owner`: the tenant whose private namespace hashed
   it); `forget(owner)` drops the hash of every block that owner holds, in use or not (a tenant's "forget my
   prompts"). A block in use that was forgotten keeps serving its request, without a hash.
@@ -35,6 +41,12 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # Owner of each cached private block (None for public / unsalted ones and for blocks without a hash).
         self.block_owner: list[Owner | None] = [None] * num_blocks
+        # Tails: each block's tail key (None: not filed) and the tokens whose KV it holds; key -> its blocks,
+        # oldest filed first (a dict as an ordered set).
+        self.tail_key: list[BlockHash | None] = [None] * num_blocks
+        self.tail_tokens: list[tuple[int, ...]] = [()] * num_blocks
+        self._tails: dict[BlockHash, dict[int, None]] = {}
+        self.fresh: set[int] = set()  # cached during this scheduling pass: not computed until the step runs
         # Blocks in use whose hash forget() dropped: the manager's "leading blocks are cached" rule excuses
         # them until they are allocated again.
         self.forgotten: set[int] = set()
@@ -67,10 +79,14 @@ class BlockPool:
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
         removed: list[BlockHash] = []
+        tail_key = self.tail_key
         for b in ids:
             ref_cnt[b] = 1
             if block_hash[b] is not None:
                 self._evict(b, removed)
+            elif tail_key[b] is not None:  # a partial block's KV is about to be overwritten
+                self._drop_tail(b)
+                self.block_owner[b] = None
         if removed and self._events is not None:
             self._events.append(BlockRemoved(removed))
         return ids
@@ -84,6 +100,7 @@ class BlockPool:
         h = self.block_hash[b]
         assert h is not None
         self.block_hash[b] = None
+        self._drop_tail(b)
         self.block_owner[b] = None
         self.num_cached_blocks -= 1
         dups = self._dups.get(h)
@@ -120,10 +137,15 @@ class BlockPool:
                     self.forgotten.discard(b)
 
     def cache(
-        self, ids: Sequence[int], hashes: Sequence[BlockHash], owners: Sequence[Owner | None] | None = None
+        self,
+        ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        owners: Sequence[Owner | None] | None = None,
+        tails: Sequence[tuple[BlockHash, tuple[int, ...]]] | None = None,
     ) -> None:
         """Give each block (in use, holding no hash) its hash and make it findable; `owners`: each block's
-        owner (default: none)."""
+        owner (default: none); `tails`: each block's (tail key, tokens), to file it for tail lookups too (it
+        is `fresh` until end_pass())."""
         block_hash = self.block_hash
         cached = self._cached
         if owners is not None:
@@ -136,6 +158,70 @@ class BlockPool:
             else:
                 cached[h] = b
         self.num_cached_blocks += len(ids)
+        if tails is not None:
+            for b, (key, tokens) in zip(ids, tails, strict=True):
+                self._file_tail(b, key, tokens)
+            self.fresh.update(ids)
+
+    def add_partial(self, b: int, key: BlockHash, tokens: tuple[int, ...], owner: Owner | None) -> None:
+        """File a free block without a hash (a request's last, partly filled block, just freed) under `key`,
+        holding the KV of `tokens` (fewer than a block's worth), for tail lookups until it is taken."""
+        if self.ref_cnt[b] or self.block_hash[b] is not None:
+            raise ValueError(f"block {b} is in use or cached: only a free block without a hash is a partial")
+        self._file_tail(b, key, tokens)
+        self.block_owner[b] = owner
+
+    def _file_tail(self, b: int, key: BlockHash, tokens: tuple[int, ...]) -> None:
+        if self.tail_key[b] is not None:
+            self._drop_tail(b)
+        self.tail_key[b] = key
+        self.tail_tokens[b] = tokens
+        self._tails.setdefault(key, {})[b] = None
+
+    def _drop_tail(self, b: int) -> None:
+        key = self.tail_key[b]
+        if key is None:
+            return
+        self.tail_key[b] = None
+        self.tail_tokens[b] = ()
+        self.fresh.discard(b)
+        blocks = self._tails[key]
+        del blocks[b]
+        if not blocks:
+            del self._tails[key]
+
+    def longest_tail(self, key: BlockHash, tokens: Sequence[int], scan: int = 32) -> tuple[int, int]:
+        """(block, n): a block filed under `key` whose KV holds the first n of `tokens`, the largest n among the
+        `scan` most recently filed blocks that are not fresh; (-1, 0) when none shares even the first token.
+        Bounded, since a popular prefix may have thousands of continuations: the newest are the likeliest
+        to be the same conversation again."""
+        blocks = self._tails.get(key)
+        if not blocks or not tokens:
+            return -1, 0
+        best, best_n = -1, 0
+        fresh = self.fresh
+        first = tokens[0]
+        for i, b in enumerate(reversed(blocks)):
+            if i == scan:
+                break
+            held = self.tail_tokens[b]
+            if not held or held[0] != first or b in fresh:
+                continue
+            n = 1
+            for x, y in zip(held[1:], tokens[1:], strict=False):  # the shorter one bounds the run
+                if x != y:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = b, n
+                if n == len(tokens):
+                    break
+        return best, best_n
+
+    def end_pass(self) -> None:
+        """The scheduling pass is over: the blocks it cached are computed by the step that follows it, before
+        any later pass can look them up."""
+        self.fresh.clear()
 
     def reset(self) -> bool:
         """Drop every hash; refused (False, nothing changed) while any block is in use."""
@@ -143,6 +229,10 @@ class BlockPool:
             return False
         self.block_hash[:] = [None] * self.num_blocks  # in place: callers may hold the list
         self.block_owner[:] = [None] * self.num_blocks
+        self.tail_key[:] = [None] * self.num_blocks
+        self.tail_tokens[:] = [()] * self.num_blocks
+        self._tails.clear()
+        self.fresh.clear()
         self.forgotten.clear()
         self._cached.clear()
         self._dups.clear()
@@ -157,11 +247,16 @@ class BlockPool:
         removed: list[BlockHash] = []
         n = 0
         for b, o in enumerate(self.block_owner):
-            if o == owner:
+            if o != owner:
+                continue
+            if self.block_hash[b] is not None:
                 self._drop_hash(b, removed)
                 if self.ref_cnt[b]:
                     self.forgotten.add(b)
-                n += 1
+            else:  # a partial block (free, filed for tail lookups only)
+                self._drop_tail(b)
+                self.block_owner[b] = None
+            n += 1
         if removed and self._events is not None:
             self._events.append(BlockRemoved(removed))
         return n
@@ -190,6 +285,18 @@ class BlockPool:
             assert sorted(mapped) == bs, f"hash map lists {mapped} for a hash held by blocks {bs}"
         assert set(self._dups) <= set(self._cached) and all(self._dups.values()), "stale duplicate entries"
         for b, owner in enumerate(self.block_owner):
-            assert owner is None or self.block_hash[b] is not None, f"block {b} has an owner but no hash"
+            assert owner is None or self.block_hash[b] is not None or self.tail_key[b] is not None, (
+                f"block {b} has an owner but is neither cached nor a partial"
+            )
+        filed = {b for blocks in self._tails.values() for b in blocks}
+        assert filed == {b for b in range(n) if self.tail_key[b] is not None}, "tail map != filed blocks"
+        for key, blocks in self._tails.items():
+            assert blocks and all(self.tail_key[b] == key for b in blocks), (
+                f"blocks filed under a wrong key: {blocks}"
+            )
+        for b in filed:
+            assert 0 < len(self.tail_tokens[b]), f"block {b} is filed with no tokens"
+            assert self.block_hash[b] is not None or expected[b] == 0, f"partial block {b} is in use"
+        assert self.fresh <= filed, "a fresh block is not filed"
         for b in self.forgotten:
             assert self.block_hash[b] is None and expected[b] > 0, f"forgotten block {b} is cached or free"

@@ -16,6 +16,12 @@ block right after them.
 
 `BlockHash` is always `bytes`: 32 bytes for sha256, 16 bytes (xxh3-128) for xxhash.
 
+Tail keys (`BlockHasher.tail_key`): `hash_fn((parent_hash, "tail", extra_keys))`, block i's hash with its tokens
+left out. Blocks filed under one tail key follow the same prefix in the same namespace, so the KV of any
+tokens they share with a request's next block is the KV that request would compute (the manager reuses a
+partial block's leading tokens that way). The string item keeps a tail key from ever equalling a block hash,
+whose second item is a sequence of token ids.
+
 Algorithms (`get_hash_fn(name)`):
 - `sha256` (default) and `sha256_cbor`: collision-resistant; safe when tenants are untrusted.
 - `xxhash` and `xxhash_cbor`: faster (xxh3-128), but NOT collision-resistant: a tenant who can choose
@@ -47,6 +53,7 @@ _LEN = struct.Struct("<Q").pack
 # the (parent, tokens, extra keys) tuple of every block.
 _NOT_INT = (bytes, str, tuple, list, type(None))
 _KEY_HEAD = b"t" + _LEN(3) + b"b"  # encode() of a 3-tuple whose first item is bytes, up to that item's length
+_TAIL = "tail"  # the middle item of a tail key (see the module docstring)
 
 
 def _pack_ints(seq: Sequence[object]) -> bytes | None:
@@ -176,6 +183,7 @@ class BlockHasher:
         "_pack",
         "_first_enc",
         "_later_enc",
+        "_tail_enc",
     )
 
     def __init__(
@@ -213,10 +221,21 @@ class BlockHasher:
         self._pack = struct.Struct(f"<{block_size}q").pack
         self._first_enc = encode(self._first_keys)
         self._later_enc = encode(None)
+        self._tail_enc = encode(_TAIL)
 
     def extra_keys(self, block_index: int) -> ExtraKeys | None:
         """The typed extra keys of block `block_index` (None when it has none)."""
         return self._first_keys if block_index == self.num_public_blocks else None
+
+    def tail_key(self, block_hashes: Sequence[BlockHash], block_index: int) -> BlockHash:
+        """Block `block_index`'s tail key (module docstring): `hash_fn((parent, "tail", extra_keys))`, where
+        parent is `block_hashes[block_index - 1]` (none_hash for block 0). Needs the hashes of the blocks
+        before it only."""
+        parent = block_hashes[block_index - 1] if block_index else self.none_hash
+        if self._digest is None:
+            return self.hash_fn((parent, _TAIL, self.extra_keys(block_index)))
+        keys_enc = self._first_enc if block_index == self.num_public_blocks else self._later_enc
+        return self._digest(b"".join((_KEY_HEAD, _LEN(len(parent)), parent, self._tail_enc, keys_enc)))
 
     def extend(self, block_hashes: list[BlockHash], all_token_ids: Sequence[int]) -> None:
         """Append to `block_hashes` the hash of every block of `all_token_ids` that became full since the last

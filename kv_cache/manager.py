@@ -9,6 +9,16 @@ Rules a caller keeps:
   whose blocks were freed on preemption).
 - Every request that got blocks is freed exactly once with free() (finished, aborted or preempted).
 - request.block_hashes is kept current by the request's BlockHasher (make_hasher) as tokens are appended.
+- A scheduling pass ends with end_pass(), before the step it planned runs: it hands over the block copies that
+  step must make first, and lets later passes reuse the blocks this one cached.
+
+Token-granular reuse (the tail): full blocks are shared by hash, as in vLLM; past the last full-block hit, the
+request's next block is looked up by its tail key (kv_cache.hashing) among cached blocks and freed partial
+blocks, and the longest run of leading tokens some block shares with it is reused too: the request gets a new
+block and the step first copies that block's KV into it (copy on write: the source stays as it is, for others).
+So a prompt sent again recomputes its last token only, not its last partial block, and a question after a
+shared document recomputes from where it differs. The tail key carries the namespace the same way block hashes
+do, so a tail never crosses salts or tenants.
 
 Namespaces (kv_cache.namespace): make_hasher(namespace, prompt) hashes the blocks lying wholly inside the
 longest declared public prefix the prompt starts with without the namespace, the rest under it; cached
@@ -46,16 +56,26 @@ class CacheRequest(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class TailHit:
+    """The leading tokens of a request's next block that `block` already holds the KV of."""
+
+    block: int
+    num_tokens: int  # 1 .. block_size - 1
+
+
 @dataclass(slots=True)
 class ComputedBlocks:
     block_ids: list[int]
-    num_tokens: int  # len(block_ids) * block_size
+    num_tokens: int  # len(block_ids) * block_size, plus tail.num_tokens
     # Tokens looked up (the request's length); 0 when no lookup happened (caching off, prompt logprobs).
     # allocate_slots counts the query and the hit only when the admission succeeds, so a request that
     # waits several steps for blocks is counted once, as the metrics promise.
     num_queried_tokens: int = field(default=0, compare=False)
     # Of num_tokens, those in blocks of a declared public prefix (hashed without namespace).
     num_public_tokens: int = field(default=0, compare=False)
+    # Reused part of the next block: allocate_slots gives the request a new block, copied from tail.block.
+    tail: TailHit | None = None
 
 
 class KVCacheManager:
@@ -83,6 +103,7 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # request id -> how many of its leading blocks are cached
         self._stats = PrefixCacheStats()
         self._evictions_reported = 0
+        self._copies: list[tuple[int, int]] = []  # (source, destination) for the step being planned
         self.public_prefixes = PublicPrefixes(public_prefixes)
 
     def set_public_prefixes(self, prefixes: Iterable[Sequence[int]]) -> None:
@@ -110,9 +131,10 @@ class KVCacheManager:
         )
 
     def get_computed_blocks(self, request: CacheRequest) -> ComputedBlocks:
-        """The longest run of cached blocks from the start of the request, capped so that at least its last
-        token is computed (its logits are needed). Takes no references and records no stats: those are
-        recorded by the allocate_slots call that admits the request with this result."""
+        """The longest run of cached blocks from the start of the request, then the longest run of the next
+        block's tokens whose KV some block holds (the tail), capped so that at least the request's last token
+        is computed (its logits are needed). Takes no references and records no stats: those are recorded by
+        the allocate_slots call that admits the request with this result."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return ComputedBlocks([], 0)
         hashes = request.block_hashes
@@ -124,9 +146,22 @@ class KVCacheManager:
             if b is None:
                 break
             ids.append(b)
-        public = min(len(ids), request.hasher.num_public_blocks) if request.hasher is not None else 0
+        hasher = request.hasher
+        public = min(len(ids), hasher.num_public_blocks) if hasher is not None else 0
         bs = self.block_size
-        return ComputedBlocks(ids, len(ids) * bs, request.num_tokens, public * bs)
+        start = len(ids) * bs
+        tail = None
+        # Tokens of the next block it may reuse: never the last token, never a whole block (a whole block's
+        # hash would have matched).
+        want = min(request.num_tokens - 1 - start, bs - 1)
+        if hasher is not None and want > 0 and len(ids) <= len(hashes):
+            key = hasher.tail_key(hashes, len(ids))
+            block, n = self.block_pool.longest_tail(key, request.all_token_ids[start : start + want])
+            if n:
+                tail = TailHit(block, n)
+        return ComputedBlocks(
+            ids, start + (tail.num_tokens if tail else 0), request.num_tokens, public * bs, tail
+        )
 
     def allocate_slots(
         self, request: CacheRequest, num_new_tokens: int, computed: ComputedBlocks | None = None
@@ -142,12 +177,13 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._req_blocks.get(rid)
         hit = computed.block_ids if computed is not None else []
-        if hit and (blocks or request.num_computed_tokens):
+        if (hit or (computed is not None and computed.tail)) and (blocks or request.num_computed_tokens):
             raise ValueError(f"request {rid!r} got hit blocks but already holds blocks or computed tokens")
         pool = self.block_pool
         bs = self.block_size
         num_held = len(blocks) if blocks else 0
-        total = request.num_computed_tokens + len(hit) * bs + num_new_tokens
+        reused = computed.num_tokens if computed is not None else 0
+        total = request.num_computed_tokens + reused + num_new_tokens
         num_new_blocks = max(0, -(-total // bs) - len(hit) - num_held)
         ref_cnt = pool.ref_cnt
         num_revived = sum(1 for b in hit if ref_cnt[b] == 0) if hit else 0
@@ -163,6 +199,12 @@ class KVCacheManager:
             self._num_cached[rid] = len(hit)
         new_ids = pool.take(num_new_blocks) if num_new_blocks else []
         blocks.extend(new_ids)
+        if computed is not None and computed.tail is not None:
+            # The first new block is the request's next one (num_new_tokens >= 1 reach into it). Taking it may
+            # have reused the source itself, or another block may take the source later in this pass: either
+            # way the copy runs before the step writes anything.
+            if new_ids[0] != computed.tail.block:
+                self._copies.append((computed.tail.block, new_ids[0]))
         if computed is not None and computed.num_queried_tokens:
             self._stats.record(
                 computed.num_queried_tokens,
@@ -185,15 +227,20 @@ class KVCacheManager:
         if end <= start:
             return
         hasher = request.hasher
+        assert hasher is not None  # block hashes come from it
         owners = None
-        if hasher is not None and (owner := hasher.namespace.owner) is not None:
+        if (owner := hasher.namespace.owner) is not None:
             # Public blocks (below num_public_blocks) belong to nobody: a tenant's reset must not touch them.
             first_private = hasher.num_public_blocks
             owners = [owner if i >= first_private else None for i in range(start, end)]
-        self.block_pool.cache(blocks[start:end], hashes[start:end], owners)
+        bs = self.block_size
+        tokens = request.all_token_ids
+        tails = [
+            (hasher.tail_key(hashes, i), tuple(tokens[i * bs : (i + 1) * bs])) for i in range(start, end)
+        ]
+        self.block_pool.cache(blocks[start:end], hashes[start:end], owners, tails)
         self._num_cached[rid] = end
         if self._events is not None:
-            bs = self.block_size
             parent = hashes[start - 1] if start else None
             tokens = request.all_token_ids[start * bs : end * bs]
             self._events.append(BlockStored(hashes[start:end], parent, tokens, bs))
@@ -205,12 +252,33 @@ class KVCacheManager:
 
     def free(self, request: CacheRequest) -> None:
         """Release all the request's blocks. They keep their hashes and go to the free queue's tail, deepest
-        block first, so that a chain is evicted from its end and its shared prefix survives longest."""
+        block first, so that a chain is evicted from its end and its shared prefix survives longest. A last
+        block holding some computed tokens but not a whole block's is filed as a partial (tail lookups)."""
         rid = request.request_id
         self._num_cached.pop(rid, None)
         blocks = self._req_blocks.pop(rid, None)
-        if blocks:
-            self.block_pool.free(reversed(blocks))
+        if not blocks:
+            return
+        pool = self.block_pool
+        pool.free(reversed(blocks))
+        hasher = request.hasher
+        computed = request.num_computed_tokens
+        last, held = divmod(computed, self.block_size)
+        if hasher is None or not held or last >= len(blocks) or last > len(request.block_hashes):
+            return
+        b = blocks[last]
+        if pool.ref_cnt[b] or pool.block_hash[b] is not None:
+            return  # still shared, or cached whole (cannot happen for a block with free slots; kept safe)
+        owner = hasher.namespace.owner if last >= hasher.num_public_blocks else None
+        tokens = tuple(request.all_token_ids[computed - held : computed])
+        pool.add_partial(b, hasher.tail_key(request.block_hashes, last), tokens, owner)
+
+    def end_pass(self) -> list[tuple[int, int]]:
+        """End of a scheduling pass: the (source, destination) block copies its tail hits need, which the step
+        must make before it writes any KV; the blocks the pass cached become reusable as tails."""
+        copies, self._copies = self._copies, []
+        self.block_pool.end_pass()
+        return copies
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (nothing changes) while any block is in use."""

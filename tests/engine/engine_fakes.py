@@ -60,6 +60,17 @@ class FakeRunner:
             time.sleep(self.step_delay)
         bs = self.block_size
         assert out.num_batched_tokens == sum(len(s.new_token_ids) for s in out.scheduled)
+        # Block copies first, every source read before any destination is written (as KVStore.copy_blocks).
+        copied = {
+            dst * bs + i: self.slots[src * bs + i]
+            for src, dst in out.block_copies
+            for i in range(bs)
+            if src * bs + i in self.slots
+        }
+        for _, dst in out.block_copies:
+            for i in range(bs):
+                self.slots.pop(dst * bs + i, None)
+        self.slots.update(copied)
         for s in out.scheduled:  # write K/V of the whole batch before any "attention"
             for i, tok in enumerate(s.new_token_ids):
                 pos = s.num_computed_tokens + i

@@ -73,3 +73,18 @@ def test_write_on_cuda() -> None:
     k = torch.randn(3, 2, 8, device="cuda", dtype=torch.bfloat16)
     write_slots(store.k_caches[0], store.v_caches[0], k, -k, torch.tensor([15, 0, 6], device="cuda"))
     assert torch.equal(store.k_caches[0][3, 3], k[0]) and torch.equal(store.v_caches[0][1, 2], -k[2])
+
+
+def test_copy_blocks_reads_every_source_before_writing_any_destination() -> None:
+    store = KVStore(2, 5, 4, 2, 3, torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    for t in (*store.k_caches, *store.v_caches):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    before = [t.clone() for t in (*store.k_caches, *store.v_caches)]
+    store.copy_blocks([(0, 1), (1, 2), (4, 4)])  # block 1 is a destination and a source; 4 onto itself
+    for old, new in zip(before, (*store.k_caches, *store.v_caches), strict=True):
+        assert torch.equal(new[1], old[0]) and torch.equal(new[2], old[1])  # old[1], not the copy of 0
+        assert torch.equal(new[0], old[0]) and torch.equal(new[3], old[3]) and torch.equal(new[4], old[4])
+    after = [t.clone() for t in (*store.k_caches, *store.v_caches)]
+    store.copy_blocks([])  # nothing to copy: nothing changes
+    assert all(torch.equal(a, b) for a, b in zip((*store.k_caches, *store.v_caches), after, strict=True))

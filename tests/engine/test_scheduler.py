@@ -57,10 +57,14 @@ def test_prefix_hit_skips_exactly_the_hit_tokens():
     second = run_to_completion(core)
     assert chunks_of(runner, "b")[0] == (16, 3, True)
     assert second[0].num_cached_tokens == 16
-    # An identical 16-token prompt: the hit is capped so that the last token is computed for its logits.
+    # An identical 16-token prompt: the hit is capped so that the last token is computed for its logits. Full
+    # blocks give 12 tokens; the 3 after them come from a's block 3 (a tail), copied into a block of c's own.
     core.add_request("c", prompt(16), greedy(3))
     third = run_to_completion(core)
-    assert chunks_of(runner, "c")[0] == (12, 4, True) and third[0].num_cached_tokens == 12
+    assert chunks_of(runner, "c")[0] == (15, 1, True) and third[0].num_cached_tokens == 15
+    first_step = next(s for s in runner.steps if any(r.request_id == "c" for r in s.scheduled))
+    [(src, dst)] = first_step.block_copies
+    assert src != dst and dst == first_step.scheduled[0].block_ids[3]
 
 
 def test_prefix_caching_off_computes_everything_with_the_same_outputs():

@@ -52,7 +52,7 @@ TRACES: dict[int, tuple[Workload, list[str]]] = {
             "r4:3 r3:2 r0:2 !1",
             "r4:1 r3:4 r0:2",
             "r3:2 r2:3 r5:2",
-            "r3:1 r2:3 r5:1",
+            "r3:1 r2:2 r5:1",  # r2 reuses the token its preempted partial block held
             "r2:1 r6:5 r1:1",
             "r6:7",
             "r6:3 r1:4",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kv_fakes import admit, make_req, release, snapshot
 
-from kv_cache import BlockRemoved, BlockStored, ComputedBlocks, KVCacheManager
+from kv_cache import BlockRemoved, BlockStored, ComputedBlocks, KVCacheManager, TailHit
 
 
 def test_revived_hit_blocks_at_the_queue_head_on_an_exactly_full_pool() -> None:
@@ -59,13 +59,15 @@ def test_preempted_with_a_partly_cached_block_table() -> None:
     assert mgr.block_pool.get_cached_block(r.block_hashes[1]) is None  # never computed, never cached
 
     computed, new = admit(mgr, r)
-    assert computed == ComputedBlocks([0], 4)
+    # Block 0 by hash; then tokens 4 and 5, which block 1 still holds (filed as a partial when freed).
+    assert computed == ComputedBlocks([0], 6, tail=TailHit(1, 2))
     assert new == [2, 3]
+    assert mgr.end_pass() == [(1, 2)]  # the step copies them into the request's own block first
     assert mgr.get_block_ids("r") == [0, 2, 3]
     assert mgr.block_pool.block_hash[2] == r.block_hashes[1]
     assert mgr.take_events() == [BlockStored([r.block_hashes[1]], r.block_hashes[0], [4, 5, 6, 7], 4)]
     s = mgr.make_prefix_cache_stats()
-    assert (s.requests, s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 1, 10, 4)
+    assert (s.requests, s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 1, 10, 6)
     release(mgr, r)
 
 

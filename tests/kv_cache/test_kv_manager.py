@@ -13,6 +13,7 @@ from kv_cache import (
     ComputedBlocks,
     KVCacheManager,
     PrefixCacheStats,
+    TailHit,
 )
 
 
@@ -317,10 +318,11 @@ def test_stats_split_preempted_requests_and_skip_reading() -> None:
     a.num_computed_tokens = 0
     a.num_preemptions = 1
     computed, new = admit(mgr, a)
-    assert computed == ComputedBlocks([0, 1], 8) and new == [3]
+    # Its two full blocks, and token 8 of the partial block 2 it left (token 9, the last, is computed).
+    assert computed == ComputedBlocks([0, 1], 9, tail=TailHit(2, 1)) and new == [3]
     s = mgr.make_prefix_cache_stats()
     assert (s.requests, s.queries, s.hits) == (1, 10, 0)
-    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 10, 8)
+    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 10, 9)
 
     # Prompt logprobs need every prompt token computed: no lookup, no stats (but its blocks are cached).
     p = make_req(mgr, "p", range(10), skip_reading_prefix_cache=True)

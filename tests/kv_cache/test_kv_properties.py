@@ -2,8 +2,9 @@
 
 After every step: the manager's invariants hold; simulated device pages hold exactly the tokens each running
 request has computed; every cached block's page holds the tokens its hash stands for (a hit never returns
-stale data); a router fed only by the events sees exactly the cached hashes; stats add up. At the end every
-block is free again (no leaks).
+stale data), and a tail hit's source holds the tokens reused from it; nothing reused crosses namespaces except
+tokens of the writer's public blocks; a router fed only by the events sees exactly the cached hashes; stats
+add up. At the end every block is free again (no leaks).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class KVMachine(RuleBasedStateMachine):
         self.waiting: list[FakeRequest] = []
         self.running: list[FakeRequest] = []
         self.pages: list[list[int | None]] = [[None] * BS for _ in range(NUM_BLOCKS)]
+        # Who computed each slot's K/V: (namespace, tokens of that request's public blocks). Copies carry it.
+        self.origin: list[list[tuple[CacheNamespace | None, int] | None]] = [
+            [None] * BS for _ in range(NUM_BLOCKS)
+        ]
+        self.namespaces: dict[str, CacheNamespace | None] = {}
         self.hash_tokens: dict[bytes, list[int]] = {}  # what each block hash stands for
         self.router: set[bytes] = set()
         self.expected_hits = 0
@@ -48,16 +54,43 @@ class KVMachine(RuleBasedStateMachine):
     def _write(self, req: FakeRequest, start: int, n: int) -> None:
         """What the model runner does: store the K/V of positions start .. start + n - 1."""
         blocks = self.mgr.get_block_ids(req.request_id)
+        assert req.hasher is not None or not self.enable_caching
+        public = req.hasher.num_public_blocks * BS if req.hasher is not None else 0
         for pos in range(start, start + n):
             self.pages[blocks[pos // BS]][pos % BS] = req.all_token_ids[pos]
+            self.origin[blocks[pos // BS]][pos % BS] = (self.namespaces[req.request_id], public)
+
+    def _copy(self, copies: list[tuple[int, int]]) -> None:
+        """What the runner does first in a step: copy whole blocks, every source read before any write."""
+        read = [(list(self.pages[src]), list(self.origin[src])) for src, _ in copies]
+        for (_, dst), (page, origin) in zip(copies, read, strict=True):
+            self.pages[dst], self.origin[dst] = page, origin
+            event("tail copied")
+
+    def _check_reuse(self, req: FakeRequest, blocks: list[int], n: int) -> None:
+        """The first n tokens of the request, as held by `blocks` (its table), came from its own namespace, or
+        from a position both sides hash without one (unsalted, or in a public block): the one way KV crosses
+        namespaces, as full blocks do."""
+        ns = self.namespaces[req.request_id]
+        public = req.hasher.num_public_blocks * BS if req.hasher is not None else 0
+        for pos in range(n):
+            origin = self.origin[blocks[pos // BS]][pos % BS]
+            assert origin is not None, "reused a slot nobody wrote"
+            writer_ns, writer_public = origin
+            shared = (writer_ns is None or pos < writer_public) and (ns is None or pos < public)
+            assert writer_ns == ns or shared, f"position {pos} crossed namespaces"
 
     def _allocate(self, req: FakeRequest, n: int, computed_tokens: int, computed: object = None) -> bool:
         before = snapshot(self.mgr)
         new = self.mgr.allocate_slots(req, n, computed)  # type: ignore[arg-type]
+        copies = self.mgr.end_pass()  # one rule is one step: the pass ends, the runner copies, then computes
         if new is None:
             assert snapshot(self.mgr) == before, "a failed allocation changed state"
+            assert copies == []
             event("allocation refused")
             return False
+        self._copy(copies)
+        self._check_reuse(req, self.mgr.get_block_ids(req.request_id), computed_tokens)
         if self.mgr.block_pool._dups:
             event("a hash held by two blocks")
         self._write(req, computed_tokens, n)
@@ -74,6 +107,7 @@ class KVMachine(RuleBasedStateMachine):
         tokens = prefix + tail or [0]
         hasher = self.mgr.make_hasher(ns, tokens)
         req = FakeRequest(f"r{self.next_id}", tokens, hasher, skip_reading_prefix_cache=skip)
+        self.namespaces[req.request_id] = ns
         self.next_id += 1
         self._note_hashes(req)
         self.waiting.append(req)
@@ -84,9 +118,16 @@ class KVMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.waiting))
         computed = self.mgr.get_computed_blocks(req)
         counted = self.enable_caching and not req.skip_reading_prefix_cache
-        assert computed.num_tokens == len(computed.block_ids) * BS < req.num_tokens
+        start = len(computed.block_ids) * BS
+        tail = computed.tail
+        assert computed.num_tokens == start + (tail.num_tokens if tail else 0) < req.num_tokens
         for i, b in enumerate(computed.block_ids):
             assert self.pages[b] == req.all_token_ids[i * BS : (i + 1) * BS], "hit on a block with other data"
+        if tail is not None:
+            event("tail hit")
+            assert 0 < tail.num_tokens < BS
+            held = self.pages[tail.block][: tail.num_tokens]
+            assert held == req.all_token_ids[start : start + tail.num_tokens], "tail hit on other data"
         if computed.block_ids:
             event("prefix hit")
             if any(self.mgr.block_pool.ref_cnt[b] == 0 for b in computed.block_ids):
