@@ -100,6 +100,34 @@ struct Args {
     float scale;
 };
 
+#if BRINE_BF16_SCORES
+// A 16 x 16 matrix of dwords, row j in m[j], transposed in place (m[i] then holds column i): 32-bit, then 64-bit
+// unpacks within 128-bit lanes, then two rounds of 128-bit lane shuffles. 64 shuffles where element-wise copies
+// took 256 loads and stores (a 16-key block's keys for the bf16 scores: half of a decode step's attention).
+inline void transpose16x16(__m512i m[16]) {
+    __m512i t[16];
+    for (int k = 0; k < 8; ++k) {  // t[2k]: rows 2k, 2k+1 interleaved, columns 4L, 4L+1 of each lane L; t[2k+1]: 4L+2, 4L+3
+        t[2 * k] = _mm512_unpacklo_epi32(m[2 * k], m[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(m[2 * k], m[2 * k + 1]);
+    }
+    __m512i u[16];  // u[4g + c]: lane L holds rows 4g .. 4g+3 of column 4L + c
+    for (int g = 0; g < 4; ++g) {
+        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+        m[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        m[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        m[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        m[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+#endif
+
 constexpr int kRowBlock = 4;    // rows whose scores are computed together: independent FMA chains, same bits
 constexpr int kMaxBlock = 256;  // largest block size and head_dim of the generic instantiation
 constexpr int kMaxDim = 512;
@@ -156,7 +184,7 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     // bfloat16 with 16-key blocks: the scores come from AVX512-BF16 dot products of the bfloat16 query and
     // keys (exact products, summed in float32 two dimensions at a time, in order), times the scale. Half the
     // instructions of float32 FMAs; a row's arithmetic still depends only on its own query and keys.
-    constexpr bool bf16_scores = DT == kDtypeBF16 && BSC == 16 && DC > 0 && DC % 2 == 0;
+    constexpr bool bf16_scores = DT == kDtypeBF16 && BSC == 16 && DC > 0 && DC % 32 == 0;
     std::vector<uint32_t> qpairs, kpairs;  // [RP][D / 2] query dimension pairs; [D / 2][16] keys' pairs
     if constexpr (bf16_scores) {
         qpairs.assign(static_cast<size_t>(RP) * DC / 2, 0u);  // pad rows: zero queries
@@ -187,9 +215,14 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
         const int col = (b - b_lo) * BS;
 #if BRINE_BF16_SCORES
         if constexpr (bf16_scores) {
+            // kpairs[pr][j] = key j's dimension pair pr: 16 x 16 dword transposes of the block's keys.
             const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
-            for (int j = 0; j < 16; ++j)
-                for (int pr = 0; pr < DC / 2; ++pr) std::memcpy(&kpairs[pr * 16 + j], kc + base + j * key_stride + 2 * pr, 4);
+            for (int c = 0; c < DC / 32; ++c) {
+                __m512i rows[16];
+                for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(kc + base + j * key_stride + 32 * c);
+                transpose16x16(rows);
+                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kpairs.data() + (16 * c + i) * 16, rows[i]);
+            }
             const __m512 vscale = _mm512_set1_ps(a.scale);
             for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
                 __m512 acc[kRowBlock];
