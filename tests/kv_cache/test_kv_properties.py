@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_fakes import FakeRequest, snapshot
 
-from kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, CacheNamespace, KVCacheManager
+from kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, CacheNamespace, ComputedBlocks, KVCacheManager
 
 BS = 4
 NUM_BLOCKS = 8
@@ -67,17 +67,20 @@ class KVMachine(RuleBasedStateMachine):
             self.pages[dst], self.origin[dst] = page, origin
             event("tail copied")
 
-    def _check_reuse(self, req: FakeRequest, blocks: list[int], n: int) -> None:
-        """The first n tokens of the request, as held by `blocks` (its table), came from its own namespace, or
-        from a position both sides hash without one (unsalted, or in a public block): the one way KV crosses
-        namespaces, as full blocks do."""
+    def _check_reuse(self, req: FakeRequest, blocks: list[int], computed: ComputedBlocks) -> None:
+        """The tokens the request reused, as held by `blocks` (its table), came from its own namespace, or from
+        a position both sides hash without one: unsalted, or in a public block for full blocks (as before
+        tails); for a tail only when the reader is unsalted (a tail found under a namespace-free key would
+        tell a tenant where someone else's prompt left the public prefix)."""
         ns = self.namespaces[req.request_id]
         public = req.hasher.num_public_blocks * BS if req.hasher is not None else 0
-        for pos in range(n):
+        full = len(computed.block_ids) * BS
+        for pos in range(computed.num_tokens):
             origin = self.origin[blocks[pos // BS]][pos % BS]
             assert origin is not None, "reused a slot nobody wrote"
             writer_ns, writer_public = origin
-            shared = (writer_ns is None or pos < writer_public) and (ns is None or pos < public)
+            writer_free = writer_ns is None or pos < writer_public  # the writer hashed it namespace-free
+            shared = writer_free and (ns is None or (pos < public and pos < full))
             assert writer_ns == ns or shared, f"position {pos} crossed namespaces"
 
     def _allocate(self, req: FakeRequest, n: int, computed_tokens: int, computed: object = None) -> bool:
@@ -90,7 +93,8 @@ class KVMachine(RuleBasedStateMachine):
             event("allocation refused")
             return False
         self._copy(copies)
-        self._check_reuse(req, self.mgr.get_block_ids(req.request_id), computed_tokens)
+        if computed is not None:
+            self._check_reuse(req, self.mgr.get_block_ids(req.request_id), computed)  # type: ignore[arg-type]
         if self.mgr.block_pool._dups:
             event("a hash held by two blocks")
         self._write(req, computed_tokens, n)

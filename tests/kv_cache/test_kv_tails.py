@@ -170,3 +170,20 @@ def test_a_lookup_scans_a_bounded_number_of_blocks() -> None:
     [in_use] = pool.take(1)
     with pytest.raises(ValueError):  # only a free block can be a partial
         pool.add_partial(in_use, key, (1,), None)
+
+
+def test_in_a_public_block_a_tenant_gets_no_tail_from_a_prompt_that_left_the_prefix() -> None:
+    public = list(range(1, 9))  # two public blocks
+    mgr = KVCacheManager(16, BS, public_prefixes=[public])
+    left = FakeRequest("left", [1, 2, 3, 4, 5, 6, 0, 0], mgr.make_hasher(None, [1, 2, 3, 4, 5, 6, 0, 0]))
+    admit(mgr, left)
+    finish(mgr, left)  # unsalted: it left the public prefix after token 6
+    prompt = [*public, 9]
+    tenant = FakeRequest("t", list(prompt), mgr.make_hasher(CacheNamespace(tenant="t"), prompt))
+    # Block 0 is public and cached: shared as before. Block 1's key is namespace-free too, so a tail there
+    # would tell the tenant that someone's prompt went on as the prefix for 2 tokens, then elsewhere.
+    hit = mgr.get_computed_blocks(tenant)
+    assert (hit.num_tokens, hit.tail) == (4, None)
+    unsalted = FakeRequest("u", list(prompt), mgr.make_hasher(None, prompt))
+    assert mgr.get_computed_blocks(unsalted).num_tokens == 6  # the shared namespace shares all of it
+    release(mgr)
