@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_fakes import FakeRequest, snapshot
 
-from kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, CacheNamespace, ComputedBlocks, KVCacheManager
+from kv_cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheNamespace,
+    ComputedBlocks,
+    KVCacheManager,
+)
 
 BS = 4
 NUM_BLOCKS = 8
