@@ -67,6 +67,23 @@ def test_prefix_hit_skips_exactly_the_hit_tokens():
     assert src != dst and dst == first_step.scheduled[0].block_ids[3]
 
 
+def test_a_block_cached_in_the_same_step_is_no_tail_before_that_step_writes_it():
+    # a's block 4 (tokens 16..19) is cached when a is scheduled, but written only by that step; b, admitted in
+    # the same step, shares tokens 16 and 17 of it. Copying it now would copy nothing (the fake runner checks
+    # every context it reads back), so b takes its 4 full blocks only; a later request gets the tail.
+    runner = FakeRunner(num_blocks=64, block_size=4)
+    core = make_core(runner)
+    core.add_request("a", prompt(20), greedy(2))
+    core.add_request("b", prompt(18) + [250], greedy(2))
+    first = run_to_completion(core)
+    b_out = [o for o in first if o.request_id == "b"]
+    assert b_out[-1].num_cached_tokens == 16 and runner.steps[0].block_copies == []
+    core.add_request("c", prompt(18) + [250], greedy(2))
+    later = run_to_completion(core)
+    assert later[0].num_cached_tokens == 18  # now from a's block 4 (or b's partial), copied first
+    assert collect(later, "c")[0]["token_ids"] == collect(first, "b")[0]["token_ids"]
+
+
 def test_prefix_caching_off_computes_everything_with_the_same_outputs():
     outs = {}
     for caching in (True, False):
