@@ -3,10 +3,12 @@
 In process, no HTTP: an `EngineCore` over the real `ModelRunner` (default model and dtype unless told), driven
 step by step. Three passes per scenario, each over `--steps` steps:
 
-- plain: the step as it runs in the server, timed whole (the reference figure);
-- phases: the engine's stages and the model's parts wrapped in timers (scheduler, runner host work, model
-  forward and inside it attention plan / attention / KV write / linears / norms / RoPE / SiLU, sampler, the
-  one host sync, scheduler update, output processor with the detokenizer, stats); inclusive medians, ms;
+- plain: the step as it runs in the server, timed whole (the reference figure); where the layers run in one
+  native call (engine.model.native_stack), also timed with them run from Python, as `--enforce-eager` does;
+- phases (with the layers run from Python, where the parts are visible): the engine's stages and the model's
+  parts wrapped in timers (scheduler, runner host work, model forward and inside it attention plan /
+  attention / KV write / linears / norms / RoPE / SiLU, sampler, the one host sync, scheduler update, output
+  processor with the detokenizer, stats); inclusive medians, ms;
 - ops: torch.profiler over the same steps, every aten op's self time charged to the innermost phase it ran
   in (so "attention" splits into its gathers, casts, products and softmax).
 
@@ -168,22 +170,40 @@ class Scenario:
 
 def run(core: EngineCore, kind: str, context: int, steps: int, top: int) -> None:
     sc = Scenario(core, kind, context)
-    for _ in range(3):  # warm-up
-        sc.prepare()
-        sc.step()
-    plain = []
-    for _ in range(steps):
-        sc.prepare()
-        t0 = time.perf_counter()
-        sc.step()
-        plain.append(time.perf_counter() - t0)
+    model = core.runner.model
+    stack = model.native_stack
+
+    def plain_steps() -> list[float]:
+        for _ in range(3):  # warm-up
+            sc.prepare()
+            sc.step()
+        times = []
+        for _ in range(steps):
+            sc.prepare()
+            t0 = time.perf_counter()
+            sc.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    plain = plain_steps()
+    # The phases are only visible where the layers run from Python: time that path too, then break it down.
+    model.native_stack = None
+    eager = plain_steps() if stack is not None else plain
     _times.clear()
     for _ in range(steps):
         sc.prepare()
         with step_timer():
             sc.step()
     print(f"\n## {kind} (context {context if kind != 'cold_5_token' else 5} tokens), {steps} steps")
-    print(f"plain step: median {1e3 * statistics.median(plain):.2f} ms, min {1e3 * min(plain):.2f} ms")
+    how = "layers in one native call" if stack is not None else "layers from Python"
+    print(
+        f"plain step ({how}): median {1e3 * statistics.median(plain):.2f} ms, min {1e3 * min(plain):.2f} ms"
+    )
+    if stack is not None:
+        print(
+            f"plain step, layers from Python (--enforce-eager; the path the phases below break down): "
+            f"median {1e3 * statistics.median(eager):.2f} ms, min {1e3 * min(eager):.2f} ms"
+        )
     print("| phase (inclusive) | median ms | share of step |")
     print("|---|---:|---:|")
     step = statistics.median(_times["step"])
@@ -224,6 +244,7 @@ def run(core: EngineCore, kind: str, context: int, steps: int, top: int) -> None
     print(
         f"all ops' self time: {total:.2f} ms per step; ops dispatched from Python: {top_level / steps:.0f} per step"
     )
+    model.native_stack = stack
     core.abort_request("decode")  # the decode scenario's request must not share the next scenario's steps
     while core.has_work():
         core.step()

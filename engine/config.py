@@ -2,7 +2,7 @@
 or by a test or benchmark) and passed whole to the components, each of which reads the fields it needs:
 
 - `ModelRunner`: model, device, dtype, block_size, kv_cache_memory, num_blocks, max_num_batched_tokens,
-  max_num_seqs (to size attention buffers), batch_invariant, quantization;
+  max_num_seqs (to size attention buffers), batch_invariant, quantization, enforce_eager;
 - `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, stat_loggers;
 - `Scheduler`: max_num_seqs, max_num_batched_tokens, max_model_len;
 - `AsyncEngine.from_config`: served_model_name, kv_events_endpoint, threads.
@@ -34,6 +34,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's
     batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
     quantization: str = "auto"  # auto: a GGUF's Q4_1/Q8_0 run as stored (quant_linear); none: dequantized
+    enforce_eager: bool = (
+        False  # run the layers one Python call at a time, never as one native call (native_stack)
+    )
     kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
     threads: int | None = None  # torch's intra-op threads (engine.threads); None: torch's default
     stat_loggers: list[StatLogger] = field(default_factory=list)

@@ -24,6 +24,7 @@ from engine.model.attention import AttentionMetadata, slot_ids
 from engine.model.cpu_linear import PackedLinear
 from engine.model.device import resolve_device, resolve_dtype, select_backend
 from engine.model.loader import load_model
+from engine.model.native_stack import NativeStack
 from engine.model.quant_linear import QuantLinear
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
@@ -42,7 +43,7 @@ class ModelRunner:
         config: EngineConfig,
     ) -> None:
         """Reads model (a resolved directory), device, dtype, block_size, kv_cache_memory, num_blocks,
-        max_num_batched_tokens, max_num_seqs, batch_invariant and quantization from `config`."""
+        max_num_batched_tokens, max_num_seqs, batch_invariant, quantization and enforce_eager from `config`."""
         if config.model is None:
             raise ValueError("the runner needs a model directory (engine.model.files.resolve_model)")
         block_size, num_blocks = config.block_size, config.num_blocks
@@ -84,13 +85,17 @@ class ModelRunner:
             batch_invariant=batch_invariant,
         )
         self.sampler = Sampler(self.device, cfg.vocab_size, cfg.eos_token_ids)
+        self.model.native_stack, why_not = (
+            (None, "--enforce-eager") if config.enforce_eager else NativeStack.build(self.model)
+        )
         logger.info(
-            "model %s on %s (%s), linears %s, attention backend %s, batch invariance %s",
+            "model %s on %s (%s), linears %s, attention backend %s, layers %s, batch invariance %s",
             self.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.linear_weights,
             self.attention_backend,
+            "in one native call per step" if self.model.native_stack else f"from Python ({why_not})",
             "on" if batch_invariant else "off",
         )
 

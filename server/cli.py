@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         "has AVX512-BF16 (decode streams a third of the bytes of bfloat16); none: dequantize every weight "
         "to --dtype (default: auto)",
     )
+    s.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the decoder layers one kernel call at a time from Python, as vLLM's flag turns off its "
+        "compiled and graph-captured step: Brine's counterpart is one native call for all the layers of a step, "
+        "used on CPU wherever every piece has a kernel (same bits either way; default: off)",
+    )
     s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
     s.add_argument(
         "--api-key",

@@ -9,6 +9,7 @@ dtype, not just float32. q/k/v and gate/up are fused into one matmul each.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from engine.kv_store import write_slots
 from engine.model import fused_ops
 from engine.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
 from engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.model.native_stack import NativeStack
 
 
 class RMSNorm(nn.Module):
@@ -184,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None
         self.rotary = Rotary(cfg)
         self.attn_backend: AttentionBackend = SdpaBackend(torch.device("cpu"))
+        # Set by the runner where every layer's pieces run natively: the layers in one call per step.
+        self.native_stack: NativeStack | None = None
 
     @torch.inference_mode()
     def forward(
@@ -199,10 +205,17 @@ class LlamaForCausalLM(nn.Module):
         plan = backend.plan(meta)
         h = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, backend, plan, meta.slot_mapping, k_caches[i], v_caches[i])
-        # Only the rows that sample (or ask for prompt logprobs) go through the norm and the vocab matmul.
-        h = fused_ops.rms_norm(h.index_select(0, logits_indices), self.norm)
+        stack = self.native_stack
+        normed = (
+            stack.run(h, rope, plan, meta.slot_mapping, k_caches, v_caches) if stack is not None else None
+        )
+        if normed is not None:  # every row's final norm (a row's norm is computed alone: same bits)
+            h = normed.index_select(0, logits_indices)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, backend, plan, meta.slot_mapping, k_caches[i], v_caches[i])
+            # Only the rows that sample (or ask for prompt logprobs) go through the norm and the vocab matmul.
+            h = fused_ops.rms_norm(h.index_select(0, logits_indices), self.norm)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h).float()
         if self.lm_head is not None:

@@ -36,7 +36,10 @@ from engine.model.invariance import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp"))
+SOURCES = tuple(
+    CSRC / name
+    for name in ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp", "decoder_stack.cpp")
+)
 HEADERS = (CSRC / "dtypes.h",)  # included by the sources (found through -I CSRC): part of the cache key
 # The dtype codes of csrc/dtypes.h. The attention takes all three; the quantized linear and the elementwise
 # kernels take float32 and bfloat16 only.
@@ -44,6 +47,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLOAT32_BF16_CODES = {dt: code for dt, code in DTYPE_CODES.items() if dt != torch.float16}
 ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
 QUANT_ABI = 1  # what brine_quant_linear_abi() must return
+STACK_ABI = 1  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -64,6 +68,8 @@ class Kernels:
     quant_linear: ctypes._CFuncPtr | None  # type: ignore[name-defined]
     # None where this CPU lacks AVX512 (see fused_ops).
     elementwise: Elementwise | None = None
+    # The decoder layers in one call (see native_stack); None where the kernels it chains are missing.
+    decoder_stack: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 def _cpu_id() -> str:
@@ -107,8 +113,9 @@ def _build(compiler: str, target: Path) -> None:
 
 def _bind(path: Path) -> Kernels:
     lib = ctypes.CDLL(str(path))
-    if lib.brine_paged_attention_abi() != ABI or lib.brine_quant_linear_abi() != QUANT_ABI:
-        raise OSError(f"{path} has another ABI than {ABI}/{QUANT_ABI}")
+    abis = (lib.brine_paged_attention_abi(), lib.brine_quant_linear_abi(), lib.brine_decoder_stack_abi())
+    if abis != (ABI, QUANT_ABI, STACK_ABI):
+        raise OSError(f"{path} has other ABIs {abis} than {(ABI, QUANT_ABI, STACK_ABI)}")
     fn = lib.brine_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32]
@@ -127,7 +134,12 @@ def _bind(path: Path) -> Kernels:
         rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
         norm.restype = silu.restype = rope.restype = i32
         elementwise = Elementwise(norm, silu, rope)
-    return Kernels(path, fn, quant, elementwise)
+    stack = None
+    if quant is not None and elementwise is not None:
+        stack = lib.brine_decoder_stack
+        stack.argtypes = [ptr]
+        stack.restype = i32
+    return Kernels(path, fn, quant, elementwise, stack)
 
 
 @functools.cache

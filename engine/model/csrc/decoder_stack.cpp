@@ -1,0 +1,122 @@
+// The decoder layers of a step as one native call (engine/model/native_stack.py).
+//
+// Why: a decode step on one row is ~10 kernel calls per layer, each a few microseconds of arithmetic, and from
+// Python each call cost ~5-7 us more (module dispatch, tensor allocation, ctypes' argument conversion):
+// ~2 ms of a ~10 ms step. Here the same kernels run in the same order with the same arguments, straight
+// from C, on buffers allocated once per step; so the bits are the Python path's (the tests compare them).
+//
+// Per layer, as LlamaForCausalLM's DecoderLayer with the native attention and quantized linears:
+//   x = norm_in(h)                      (layer 0; later layers get x from the previous layer's last step)
+//   qkv = x Wqkv^T; q = rope(q), k = rope(k) -> cache, v -> cache
+//   o = attention(q, cache); attn = o Wo^T
+//   h = h + attn; x = norm_post(h)
+//   gu = x Wgu^T; act = silu(gate) * up; mlp = act Wdown^T
+//   h = h + mlp; x = norm_in of the next layer (the final norm after the last layer)
+// The last two lines are one add_rms_norm call: the sum is rounded to the model dtype before the norm reads
+// it, as torch's add followed by the norm does.
+
+#include <cstdint>
+
+extern "C" {
+int brine_add_rms_norm(int dtype, const void* h, const void* delta, void* h_sum, const void* weight, void* out,
+                       int64_t rows, int64_t n, float eps, int threads);
+int brine_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t n, int threads);
+int brine_rope_write(int dtype, const void* qkv, int64_t qkv_stride, const void* cos, const void* sin,
+                     const int64_t* slots, void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads,
+                     int kv_heads, int dim, int threads);
+int brine_quant_linear(int wtype, const uint8_t* w, int64_t n, int64_t k, int x_dtype, const void* x, int64_t m,
+                       int64_t x_stride, const float* bias, void* out, int64_t out_stride, int out_dtype,
+                       int threads);
+int brine_paged_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
+                          const void* v_cache, void* out, const int32_t* items, int64_t num_items,
+                          const int32_t* tables, int64_t table_width, int heads, int kv_heads, int head_dim,
+                          int block_size, int causal, int window, float scale, int threads);
+}
+
+namespace {
+
+// Every integer is int64 and every real a double, so that ctypes' mirror (native_stack.py) has no padding to
+// get wrong.
+struct Linear {
+    const uint8_t* records;  // quant_linear's repacked tiles
+    int64_t wtype;           // 0 Q4_1, 1 Q8_0
+    const float* bias;       // or null
+};
+
+struct Layer {
+    const void* input_norm;  // [hidden], model dtype
+    const void* post_norm;
+    Linear qkv, o, gate_up, down;
+    void* k_cache;  // [blocks, block_size, kv_heads, head_dim]
+    void* v_cache;
+    int64_t window;  // sliding window, 0 for none
+};
+
+struct Args {
+    // the model
+    int64_t dtype, num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    double eps, scale;
+    const Layer* layers;
+    const void* final_norm;
+    // the step
+    int64_t tokens;
+    void* h;  // [T, hidden]: the embeddings in, the last residual out
+    void* x;  // [T, hidden]: the final norm of every row, out
+    const void* cos;  // [T, head_dim / 2], model dtype
+    const void* sin;
+    const int64_t* slots;  // [T]
+    const int32_t* items;  // the attention plan (native_attention.NativePlan)
+    int64_t num_items;
+    const int32_t* tables;
+    int64_t table_width;
+    int64_t causal;
+    // scratch, model dtype: [T, qkv width], [T, heads * head_dim] twice, [T, hidden], [T, 2 I], [T, I], [T, hidden]
+    void *qkv, *q, *o, *attn, *gate_up, *act, *mlp;
+    int64_t threads;
+};
+
+int linear(const Args& a, const Linear& w, int64_t n, int64_t k, const void* x, void* out) {
+    const int dt = static_cast<int>(a.dtype);
+    return brine_quant_linear(static_cast<int>(w.wtype), w.records, n, k, dt, x, a.tokens, k, w.bias, out, n, dt,
+                              static_cast<int>(a.threads));
+}
+
+}  // namespace
+
+extern "C" {
+
+int brine_decoder_stack_abi() { return 1; }
+
+// Returns 0, or 1 + the index of the layer whose kernel refused its arguments (what it wrote up to there is
+// garbage then).
+int brine_decoder_stack(const Args* args) {
+    const Args& a = *args;
+    const int dt = static_cast<int>(a.dtype), th = static_cast<int>(a.threads);
+    const int heads = static_cast<int>(a.heads), kvh = static_cast<int>(a.kv_heads), d = static_cast<int>(a.head_dim);
+    const float eps = static_cast<float>(a.eps);
+    const int64_t t = a.tokens, hidden = a.hidden, inter = a.intermediate;
+    const int64_t q_size = a.heads * a.head_dim, qkv_n = q_size + 2 * a.kv_heads * a.head_dim;
+    if (t > 0 && brine_add_rms_norm(dt, a.h, nullptr, nullptr, a.layers[0].input_norm, a.x, t, hidden, eps, th))
+        return 1;
+    for (int64_t i = 0; i < a.num_layers && t > 0; ++i) {
+        const Layer& l = a.layers[i];
+        const void* next_norm = i + 1 < a.num_layers ? a.layers[i + 1].input_norm : a.final_norm;
+        int rc = linear(a, l.qkv, qkv_n, hidden, a.x, a.qkv);
+        rc = rc ? rc : brine_rope_write(dt, a.qkv, qkv_n, a.cos, a.sin, a.slots, l.k_cache, l.v_cache, a.q, t, heads,
+                                        kvh, d, th);
+        rc = rc ? rc : brine_paged_attention(dt, a.q, q_size, d, l.k_cache, l.v_cache, a.o, a.items, a.num_items,
+                                             a.tables, a.table_width, heads, kvh, d, static_cast<int>(a.block_size),
+                                             static_cast<int>(a.causal), static_cast<int>(l.window),
+                                             static_cast<float>(a.scale), th);
+        rc = rc ? rc : linear(a, l.o, hidden, q_size, a.o, a.attn);
+        rc = rc ? rc : brine_add_rms_norm(dt, a.h, a.attn, a.h, l.post_norm, a.x, t, hidden, eps, th);
+        rc = rc ? rc : linear(a, l.gate_up, 2 * inter, hidden, a.x, a.gate_up);
+        rc = rc ? rc : brine_silu_mul(dt, a.gate_up, a.act, t, inter, th);
+        rc = rc ? rc : linear(a, l.down, hidden, inter, a.act, a.mlp);
+        rc = rc ? rc : brine_add_rms_norm(dt, a.h, a.mlp, a.h, next_norm, a.x, t, hidden, eps, th);
+        if (rc) return static_cast<int>(i) + 1;
+    }
+    return 0;
+}
+
+}  // extern "C"

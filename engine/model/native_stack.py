@@ -1,0 +1,189 @@
+"""The decoder layers of a step as one native call (csrc/decoder_stack.cpp), where every piece has a kernel.
+
+Why: with quantized linears, fused elementwise kernels and the native attention, a layer is ~10 kernel calls,
+and on one row each call's Python side (module dispatch, allocation, ctypes' argument conversion) cost about
+as much as its arithmetic: ~2 ms of a ~10 ms decode step. The stack runs the same kernels in the same order
+on the same arguments, from C, with one allocation per step; the bits are those of the Python path, which
+stays for everything else (CUDA, float16, Qwen3's q/k norms, dense linears, other attention backends).
+
+`NativeStack.build(model)` says whether it applies (None, with the reason, where not); `run()` replaces the
+layer loop of `LlamaForCausalLM.forward` and returns the final norm of every row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from engine.model.native_attention import NativeBackend, NativePlan
+from engine.model.native_kernels import FLOAT32_BF16_CODES, load
+from engine.model.quant_linear import KERNEL_TYPE, QuantLinear
+
+_I64, _F64, _P = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("records", _P), ("wtype", _I64), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("window", _I64),
+    ]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        *((name, _I64) for name in ("dtype", "num_layers", "hidden", "heads", "kv_heads", "head_dim")),
+        ("intermediate", _I64),
+        ("block_size", _I64),
+        ("eps", _F64),
+        ("scale", _F64),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", _P),
+        ("tokens", _I64),
+        *((name, _P) for name in ("h", "x", "cos", "sin", "slots", "items")),
+        ("num_items", _I64),
+        ("tables", _P),
+        ("table_width", _I64),
+        ("causal", _I64),
+        *((name, _P) for name in ("qkv", "q", "o", "attn", "gate_up", "act", "mlp")),
+        ("threads", _I64),
+    ]
+
+
+def _linear(module: torch.nn.Module) -> _Linear:
+    assert isinstance(module, QuantLinear)
+    bias = module.bias.data_ptr() if module.bias is not None else None
+    return _Linear(module.records.data_ptr(), KERNEL_TYPE[module.ggml_type], bias)
+
+
+class NativeStack:
+    def __init__(self, model, fn) -> None:  # model: LlamaForCausalLM (not imported: llama imports this)
+        cfg = model.cfg
+        self.fn = fn
+        self.model = model
+        self.dtype = model.embed_tokens.weight.dtype
+        self.hidden, self.heads, self.kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+        self.head_dim, self.intermediate = cfg.head_dim, cfg.intermediate_size
+        self.layers = (_Layer * cfg.num_layers)()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers[i] = _Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                _linear(attn.qkv_proj),
+                _linear(attn.o_proj),
+                _linear(mlp.gate_up_proj),
+                _linear(mlp.down_proj),
+                None,
+                None,
+                attn.sliding_window or 0,
+            )
+        self._caches: tuple[int, ...] = ()  # the cache pointers the layers were last given
+        self.args = _Args(
+            FLOAT32_BF16_CODES[self.dtype],
+            cfg.num_layers,
+            self.hidden,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.intermediate,
+            0,
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+            self.layers,
+            model.norm.weight.data_ptr(),
+        )
+
+    @classmethod
+    def build(cls, model) -> tuple[NativeStack | None, str]:
+        """(the stack, "") where every piece of every layer runs natively, else (None, why not)."""
+        kernels, why = load()
+        if kernels is None or kernels.decoder_stack is None:
+            return None, why or "no decoder-stack kernel on this CPU"
+        cfg = model.cfg
+        dtype = model.embed_tokens.weight.dtype
+        if model.embed_tokens.weight.device.type != "cpu" or dtype not in FLOAT32_BF16_CODES:
+            return None, f"runs on CPU in float32 or bfloat16, not {dtype}"
+        if not isinstance(model.attn_backend, NativeBackend):
+            return None, f"attention backend {model.attn_backend.name}"
+        if cfg.qk_norm:
+            return None, "q/k norms"
+        for layer in model.layers:
+            linears = (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+            if not all(isinstance(m, QuantLinear) for m in linears):
+                return None, "dense linears"
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.weight.dtype != dtype for n in norms):
+                return None, "norm weights in another dtype"
+        if model.norm.weight.dtype != dtype:
+            return None, "norm weights in another dtype"
+        return cls(model, kernels.decoder_stack), ""
+
+    def run(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the embeddings
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D / 2] in the model dtype
+        plan: object,
+        slot_mapping: torch.Tensor,  # [T]
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """The final norm of every row's last hidden state [T, hidden], or None where this step is not one the
+        stack runs (the caller then runs the layers itself)."""
+        if not isinstance(plan, NativePlan) or h.dtype != self.dtype or k_caches[0].dtype != self.dtype:
+            return None
+        t, d = h.shape[0], self.head_dim
+        caches = tuple(c.data_ptr() for c in (*k_caches, *v_caches))
+        if caches != self._caches:
+            if not all(c.is_contiguous() for c in (*k_caches, *v_caches)):
+                return None
+            n = len(k_caches)
+            for i in range(n):
+                self.layers[i].k_cache, self.layers[i].v_cache = caches[i], caches[n + i]
+            self._caches = caches
+        h = h.contiguous()
+        cos, sin = (c.reshape(t, d // 2).contiguous() for c in rope)
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+        slots = slots.contiguous()
+        q_size, inter = self.heads * d, self.intermediate
+        qkv_n = q_size + 2 * self.kv_heads * d
+        # One allocation for the step's scratch: [T, width] per buffer, side by side.
+        widths = (self.hidden, qkv_n, q_size, q_size, self.hidden, 2 * inter, inter, self.hidden)
+        scratch = torch.empty(t * sum(widths), dtype=self.dtype)
+        x, qkv, q, o, attn, gate_up, act, mlp = scratch.split([t * w for w in widths])
+        a = self.args
+        a.block_size = k_caches[0].shape[1]
+        a.tokens = t
+        a.h, a.x, a.cos, a.sin, a.slots = (
+            h.data_ptr(),
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+        )
+        a.items, a.num_items = plan.items.data_ptr(), plan.items.shape[0]
+        a.tables, a.table_width, a.causal = plan.tables.data_ptr(), plan.tables.shape[1], int(plan.is_causal)
+        a.qkv, a.q, a.o, a.attn = qkv.data_ptr(), q.data_ptr(), o.data_ptr(), attn.data_ptr()
+        a.gate_up, a.act, a.mlp = gate_up.data_ptr(), act.data_ptr(), mlp.data_ptr()
+        a.threads = torch.get_num_threads()
+        rc = self.fn(ctypes.byref(a))
+        if rc:
+            raise RuntimeError(f"the native decoder stack refused layer {rc - 1}'s arguments")
+        return x.view(t, self.hidden)

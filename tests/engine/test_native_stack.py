@@ -1,0 +1,138 @@
+"""The decoder layers as one native call (engine/model/native_stack.py): the same bits as the layers run one
+kernel call at a time from Python, on a tiny Llama quantized by gguf-py and on the default model (slow), and
+the cases where it steps aside. Each failure names the CPU (isa_summary)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.model import native_kernels
+from engine.model.invariance import isa_summary
+from engine.model.native_attention import NativeBackend
+from engine.model.native_stack import NativeStack
+from engine.model.quant_linear import GGML_Q4_1, GGML_Q8_0, QuantLinear
+
+LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def _kernels() -> native_kernels.Kernels:
+    kernels, why = native_kernels.load()
+    if kernels is None:
+        pytest.skip(f"no native kernels here: {why}")
+    if kernels.decoder_stack is None:
+        pytest.skip(f"this CPU lacks the kernels the stack chains ({isa_summary()})")
+    return kernels
+
+
+def _quantized_tiny(tiny_model, dtype: torch.dtype, kernels: native_kernels.Kernels):
+    """The tiny Llama with every linear quantized by gguf-py (Q4_1 and Q8_0 alternating) and the native
+    attention: a model the stack runs."""
+    from gguf import quants
+
+    from engine.model.loader import load_model
+
+    model = load_model(tiny_model("llama").path, torch.device("cpu"), dtype, pack=False)
+    for i, layer in enumerate(model.layers):
+        for j, (owner_name, attr) in enumerate(LINEARS):
+            owner = getattr(layer, owner_name)
+            lin = getattr(owner, attr)
+            kind = (GGML_Q4_1, GGML_Q8_0)[(i + j) % 2]
+            raw = quants.quantize(lin.weight.detach().float().numpy(), kind)
+            setattr(owner, attr, QuantLinear(kernels, kind, raw, lin.in_features, lin.bias))
+    model.attn_backend = NativeBackend(kernels)
+    return model
+
+
+def _steps(paged_cls, model, stack: NativeStack | None) -> list[torch.Tensor]:
+    """A chunked prefill, a second request starting on the first's blocks in the same step, then decodes:
+    every new token's logits."""
+    model.native_stack = stack
+    p = paged_cls(model, block_size=16)
+    a = [(5 * i + 3) % 128 for i in range(45)]
+    ta, tb = p.table_for(64), p.table_for(64)
+    b = a[:32] + [7, 8, 9]
+    out = p.step([(a[:20], 0, ta)])
+    out += p.step([(a[20:], 20, ta), (b[32:], 32, ta[:2] + tb[2:])])
+    for n in range(3):  # decode: one token each
+        out += p.step([([n + 1], 45 + n, ta), ([n + 2], 35 + n, ta[:2] + tb[2:])])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_stack_gives_the_bits_of_the_layers_run_from_python(tiny_model, paged, dtype):
+    kernels = _kernels()
+    model = _quantized_tiny(tiny_model, dtype, kernels)
+    stack, why = NativeStack.build(model)
+    assert stack is not None, why
+    with_stack = _steps(paged, model, stack)
+    from_python = _steps(paged, model, None)
+    assert len(with_stack) == len(from_python) == 1 + 2 + 3 * 2
+    for i, (a, b) in enumerate(zip(with_stack, from_python, strict=True)):
+        assert torch.equal(a, b), f"step output {i} differs; {isa_summary()}"
+    assert not torch.equal(with_stack[0], with_stack[1][: with_stack[0].shape[0]])  # not a constant
+
+
+def test_the_stack_steps_aside_where_a_piece_has_no_kernel(tiny_model, caplog):
+    kernels = _kernels()
+    from engine.config import EngineConfig
+    from engine.model.attention import SdpaBackend
+    from engine.model.loader import load_model
+    from engine.model_runner import ModelRunner
+
+    dense = load_model(tiny_model("llama").path, torch.device("cpu"), torch.float32)
+    dense.attn_backend = NativeBackend(kernels)
+    assert NativeStack.build(dense) == (None, "dense linears")
+    quantized = _quantized_tiny(tiny_model, torch.float32, kernels)
+    quantized.attn_backend = SdpaBackend(torch.device("cpu"))
+    assert NativeStack.build(quantized) == (None, "attention backend sdpa")
+    qwen3 = load_model(tiny_model("qwen3").path, torch.device("cpu"), torch.float32)
+    qwen3.attn_backend = NativeBackend(kernels)
+    assert NativeStack.build(qwen3) == (None, "q/k norms")
+    # The runner says which path runs, and --enforce-eager keeps the Python one.
+    path = str(tiny_model("llama").path)
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        runner = ModelRunner(EngineConfig(model=path, device="cpu", num_blocks=8, enforce_eager=True))
+    assert runner.model.native_stack is None and "layers from Python (--enforce-eager)" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_default_model_runs_its_layers_in_one_call_with_the_same_bits(dtype, caplog):
+    _kernels()
+    from engine.config import EngineConfig
+    from engine.errors import ModelNotFoundError
+    from engine.model.files import resolve_model
+    from engine.model_runner import ModelRunner
+    from engine.outputs import ScheduledRequest, SchedulerOutput
+    from engine.sampling_params import SamplingParams
+
+    try:
+        path = str(resolve_model(None).path)
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model not available here: {exc}")
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        runner = ModelRunner(EngineConfig(model=path, device="cpu", dtype=dtype, num_blocks=16))
+    assert "layers in one native call per step" in caplog.text
+    stack = runner.model.native_stack
+    assert stack is not None
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [1, 504, 3458, 282, 4649, 314, 2385, 30] * 5
+
+    def req(rid: str, tokens: list[int], start: int, blocks: list[int]) -> ScheduledRequest:
+        return ScheduledRequest(rid, tokens[start:], start, blocks, True, greedy, tokens, len(tokens), 0)
+
+    steps = [
+        [req("a", prompt, 0, [3, 1, 4])],
+        [req("a", [*prompt, 11], 40, [3, 1, 4]), req("b", prompt[:37], 32, [3, 1, 9])],
+    ]
+    for scheduled in steps:
+        step = runner._prepare(scheduled)
+        runner.model.native_stack = stack
+        one_call = runner._run(step)
+        runner.model.native_stack = None
+        from_python = runner._run(step)
+        assert torch.equal(one_call, from_python), isa_summary()
+        runner.execute(SchedulerOutput(scheduled, sum(len(s.new_token_ids) for s in scheduled)))
