@@ -75,8 +75,9 @@ def test_write_on_cuda() -> None:
     assert torch.equal(store.k_caches[0][3, 3], k[0]) and torch.equal(store.v_caches[0][1, 2], -k[2])
 
 
-def test_copy_blocks_reads_every_source_before_writing_any_destination() -> None:
-    store = KVStore(2, 5, 4, 2, 3, torch.bfloat16, "cpu")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_copy_blocks_reads_every_source_before_writing_any_destination(device: str) -> None:
+    store = KVStore(2, 5, 4, 2, 3, torch.bfloat16, device)
     gen = torch.Generator().manual_seed(1)
     for t in (*store.k_caches, *store.v_caches):
         t.copy_(torch.randn(t.shape, generator=gen))
