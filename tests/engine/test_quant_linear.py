@@ -78,6 +78,21 @@ def test_a_rows_bits_do_not_depend_on_the_batch_its_place_or_the_threads(kind, d
     assert torch.equal(single, batched), isa_summary()
 
 
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_row_count_gives_each_row_its_bits_alone(kind, dtype):
+    """The kernel groups rows (up to 12 or 16 a group, packed per group), reads records straight up to 48 rows
+    and through per-thread panels of two tiles past that: every count, in every path, gives each row the bits
+    it has alone. 576 inputs: 18 blocks, past one 16-block vector of block sums; 40 outputs: a partial tile."""
+    kernels = _kernels()
+    raw, _ = _weights(kind, 40, 576, seed=2)
+    layer = QuantLinear(kernels, TYPES[kind], raw, 576, torch.randn(40))
+    x = torch.randn(61, 576).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(61)])
+    for m in (2, 9, 13, 16, 17, 25, 33, 48, 49, 61):
+        assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows; {isa_summary()}"
+
+
 def test_refuses_what_it_cannot_run():
     kernels = _kernels()
     raw, _ = _weights("Q4_1", 16, 64)
