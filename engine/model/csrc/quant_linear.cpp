@@ -123,15 +123,16 @@ inline void unpack_block(const uint8_t* rec, __m512i* out, __m512* dm) {
     } else {
         for (int p = 0; p < kPairs; ++p) {
             // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile));
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
             if constexpr (XT == kDtypeBF16) {
-                // int8 -> float32 -> bfloat16, exact for |q| <= 128: the record's 32 values in order, columns 0..7
-                // then 8..15 (vcvtne2ps2bf16 puts its second operand in the low half)
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-                out[p] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
+                // (vcvtne2ps2bf16 on the two halves measured 10% slower for the one-row head, two threads)
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+                const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
+                const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
+                out[p] = _mm512_or_si512(lo_b, hi_b);
             } else {
-                const __m512i w = _mm512_cvtepi8_epi16(q);
                 out[2 * p] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16)));
                 out[2 * p + 1] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16)));
             }
