@@ -16,6 +16,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+_SAME_BYTES = {
+    1: torch.int8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}  # itemsize -> a numpy-able dtype
+
 
 def _bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -90,13 +97,20 @@ class KVStore:
         any destination is written, so a block may be one pair's destination and a later pair's source."""
         if not copies:
             return
-        # One strided copy per pair (~10 us for all layers; index_select along the block dimension walked the
-        # whole pool, milliseconds). A source that is also a destination is read out first.
+        # One strided copy per pair. On CPU through a numpy view of the same memory: torch's copy_ of the 60
+        # strided pieces handed them to its thread pool (~0.6 ms in a server step), numpy copies them in place
+        # on the calling thread (~10 us). A source that is also a destination is read out first.
         dsts = {dst for _, dst in copies}
+        if self.device.type == "cpu":  # bfloat16 has no numpy dtype: the same bytes as int16 (float32: int32)
+            arr = self.pages.view(_SAME_BYTES[self.dtype.itemsize]).numpy()
+            saved = [arr[:, src].copy() if src in dsts else arr[:, src] for src, _ in copies]
+            for (_, dst), block in zip(copies, saved, strict=True):
+                arr[:, dst] = block
+            return
         pages = self.pages
         reads = [pages[:, src].clone() if src in dsts else pages[:, src] for src, _ in copies]
-        for (_, dst), block in zip(copies, reads, strict=True):
-            pages[:, dst].copy_(block)
+        for (_, dst), piece in zip(copies, reads, strict=True):
+            pages[:, dst].copy_(piece)
 
 
 def write_slots(

@@ -30,7 +30,8 @@ def _has_lone_surrogate(value: Any) -> bool:
                 except UnicodeEncodeError:
                     return True
         elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            # A prompt of token ids is thousands of ints: skip them here rather than test each four times below.
+            stack.extend(x for x in item if type(x) is not int)
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
