@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="give every request the same tokens and logprobs whether its prefix was cached, how its prompt "
         "was chunked and whatever shares its steps (default: on). --no-batch-invariant trades that for "
-        "speed: SDPA attention and unpadded matmuls (see README, 'Same answer, cached or not')",
+        "speed where a faster path is not invariant: unpadded oneDNN matmuls for Hugging Face weights, SDPA "
+        "attention where Brine's CPU kernels do not build (see README, 'Same answer, cached or not')",
     )
     s.add_argument(
         "--quantization",

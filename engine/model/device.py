@@ -83,9 +83,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def default_backend(device: torch.device, head_dim: int, batch_invariant: bool = True) -> AttentionBackend:
     """The attention a freshly loaded model starts with: batch-invariant on CPU (native where the kernels
     build, else tiled), SDPA otherwise."""
-    if batch_invariant and device.type == "cpu":
+    if device.type == "cpu" and (batch_invariant or _native_backend() is not None):
         return cpu_invariant_backend(device, head_dim)
     return SdpaBackend(device)
+
+
+def _native_backend() -> AttentionBackend | None:
+    """Brine's C++ attention where the kernels build. On CPU it is also the fastest attention without
+    invariance (it reads the cache in place, and lets the layers run as one native call: native_stack), so
+    `--no-batch-invariant` keeps it too; SDPA only where it does not build."""
+    from engine.model.native_kernels import load
+
+    kernels, _ = load()
+    if kernels is None:
+        return None
+    from engine.model.native_attention import NativeBackend
+
+    return NativeBackend(kernels)
 
 
 def cpu_invariant_backend(
@@ -127,7 +141,8 @@ def select_backend(
     head_dim: int | None = None,
     batch_invariant: bool = True,
 ) -> AttentionBackend:
-    """FlexAttention on CUDA (reads K/V in place); on CPU the tiled backend, or SDPA without batch invariance.
+    """FlexAttention on CUDA (reads K/V in place); on CPU the native kernel where it builds, else the tiled
+    backend, or SDPA without batch invariance.
 
     BRINE_ATTENTION_BACKEND=native|tiled|sdpa|flex overrides the choice (flex on CPU runs compiled, for
     testing).
@@ -143,6 +158,8 @@ def select_backend(
         from engine.model.tiled_attention import TiledBackend
 
         return TiledBackend(device, head_dim)
+    if choice == "auto" and device.type == "cpu" and (native := _native_backend()) is not None:
+        return native  # without batch invariance too: see _native_backend
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
         try:
             from engine.model.flex_attention import FlexBackend, cuda_kv_tile
