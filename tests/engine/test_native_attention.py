@@ -184,6 +184,24 @@ def test_without_the_kernels_cpu_falls_back_to_tiled_and_native_on_request_fails
         native_kernels.load.cache_clear()
 
 
+def test_without_batch_invariance_cpu_keeps_the_native_kernel_and_sdpa_only_without_it(monkeypatch):
+    from engine.model import device as dev
+    from engine.model import native_kernels
+
+    monkeypatch.delenv("BRINE_ATTENTION_BACKEND", raising=False)
+    if native_kernels.load()[0] is None:
+        pytest.skip("no native kernels here")
+    assert dev.select_backend(CPU, 8, 16, head_dim=64, batch_invariant=False).name == "native"
+    assert dev.default_backend(CPU, 64, batch_invariant=False).name == "native"
+    native_kernels.load.cache_clear()
+    monkeypatch.setenv("BRINE_NATIVE_KERNELS", "0")
+    try:
+        assert dev.select_backend(CPU, 8, 16, head_dim=64, batch_invariant=False).name == "sdpa"
+        assert dev.default_backend(CPU, 64, batch_invariant=False).name == "sdpa"
+    finally:
+        native_kernels.load.cache_clear()
+
+
 def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
     from engine.model import native_kernels
 
