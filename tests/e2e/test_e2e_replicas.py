@@ -143,8 +143,10 @@ def test_kv_aware_reaches_the_single_replica_ceiling_on_both_replicas(cluster: C
     assert all(n > 0 for n in served), f"one replica got everything: {served}"
     assert ceiling > 0.5
     assert ratio >= 0.97 * ceiling, f"hit ratio {ratio:.3f} through the router, ceiling {ceiling:.3f}"
-    # The router's own reason for each pick: a prefix credit computed from Brine's events.
-    assert 'outcome="prefix_cost"' in _plain_log(cluster.router_log) or ratio >= ceiling
+    # The router's own reason for each pick: a prefix credit computed from Brine's events. Events carry whole
+    # blocks only, so the router cannot steer for the few tokens a replica reuses inside a block (a tail):
+    # through it, the hit ratio may fall short of one replica's by those (0.7466 against 0.7467 in one run).
+    assert 'outcome="prefix_cost"' in _plain_log(cluster.router_log) or ratio >= 0.99 * ceiling
 
 
 def test_invalid_salt_comes_back_as_brines_400(cluster: Cluster) -> None:
