@@ -157,10 +157,12 @@ class KVCacheManager:
         # A request with a namespace looks tails up only under keys carrying it: in a public block, the
         # namespace-free key would also find an unsalted request's block that left the public prefix there,
         # and the hit's length would tell where (a public prefix reveals nothing of what followed it).
-        own_keys = hasher is not None and (
-            not hasher.namespace.keys() or len(ids) >= hasher.num_public_blocks
-        )
-        if hasher is not None and own_keys and want > 0 and len(ids) <= len(hashes):
+        # (The tail key needs the hashes before block len(ids) only, which the loop above just read.)
+        if (
+            hasher is not None
+            and want > 0
+            and (not hasher.namespace.keys() or len(ids) >= hasher.num_public_blocks)
+        ):
             key = hasher.tail_key(hashes, len(ids))
             block, n = self.block_pool.longest_tail(key, request.all_token_ids[start : start + want])
             if n:

@@ -83,9 +83,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def default_backend(device: torch.device, head_dim: int, batch_invariant: bool = True) -> AttentionBackend:
     """The attention a freshly loaded model starts with: batch-invariant on CPU (native where the kernels
     build, else tiled), SDPA otherwise."""
-    if device.type == "cpu" and (batch_invariant or _native_backend() is not None):
+    if device.type != "cpu":
+        return SdpaBackend(device)
+    if batch_invariant:
         return cpu_invariant_backend(device, head_dim)
-    return SdpaBackend(device)
+    return _native_backend() or SdpaBackend(device)
 
 
 def _native_backend() -> AttentionBackend | None:

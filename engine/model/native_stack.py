@@ -72,7 +72,6 @@ class NativeStack:
     def __init__(self, model, fn) -> None:  # model: LlamaForCausalLM (not imported: llama imports this)
         cfg = model.cfg
         self.fn = fn
-        self.model = model
         self.dtype = model.embed_tokens.weight.dtype
         self.hidden, self.heads, self.kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         self.head_dim, self.intermediate = cfg.head_dim, cfg.intermediate_size
