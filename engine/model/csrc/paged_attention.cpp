@@ -2,24 +2,29 @@
 //
 // One work item is (a few consecutive query tokens of one request, one KV head); its rows are (token, query
 // head of the GQA group). It walks the request's block table from its first visible block to its last,
-// twice: pass 1 converts each block's keys to float32 (transposed, so that 16 keys are one vector; in bfloat16
-// with 16-key blocks, it pairs the keys' dimensions for AVX512-BF16 dot products instead) and keeps
-// every row's scores and exact max; pass 2 converts each block's values and accumulates exp(score - max) x
-// value and the weights' sum. Nothing is gathered into contiguous tensors first, so a cached context costs
-// only its reads, and no running max is ever rescaled.
+// twice: pass 1 computes every row's scores against each block's keys and keeps them, with each row's exact
+// max; pass 2 turns the scores into weights exp(score - max) and accumulates weights x values and the
+// weights' sum. Nothing is gathered into contiguous tensors first, so a cached context costs only its reads,
+// and no running max is ever rescaled.
+//
+// Two implementations of the same contract:
+//   - the generic one (any dtype, block size and head_dim): float32 arithmetic, explicit fmaf;
+//   - in bfloat16 with 16-key blocks and head_dim a multiple of 32, where the CPU has AVX512-BF16: scores are
+//     vdpbf16ps over the query's and keys' dimension pairs, in order, times the scale; weights are rounded to
+//     bfloat16 (as transformers rounds its probabilities before multiplying the values), summed as rounded,
+//     and weights x values come from vdpbf16ps over key pairs (2i, 2i + 1) of each block, in order.
 //
 // Invariance: each row's arithmetic is a fixed sequence that depends only on its own query, its own visible
 // keys (by absolute position) and the block size. Which other rows share its item, the batch, the chunking of
 // its prompt, which physical blocks hold its keys and the thread count change none of it:
-//   - a score is a dot product over head_dim in order (explicit fmaf; -ffp-contract=off keeps the compiler
-//     from fusing anything else differently in different loops), or in bfloat16 with 16-key blocks, where
-//     the CPU has AVX512-BF16, vdpbf16ps over dimension pairs in order, then times the scale;
+//   - a score is a dot product over head_dim in order (-ffp-contract=off keeps the compiler from fusing
+//     anything else differently in different loops);
 //   - the max is exact in any order; hidden keys get weight exactly 0;
 //   - weights are summed per key lane (a key's position mod the block size) in position order, then the
-//     lanes by a fixed halving tree; weights x values are accumulated key by key in position order (in
-//     bfloat16 with 16-key blocks and head_dim a multiple of 32, where the CPU has AVX512-BF16: the weights
-//     rounded to bfloat16 first, and accumulated key pair by key pair with vdpbf16ps).
-// So the tests compare rows computed alone, chunked, batched, on other blocks and threads bit for bit.
+//     lanes by a fixed halving tree; weights x values are accumulated key by key (key pair by key pair) in
+//     position order, each output dimension on its own.
+// Rows are computed in groups only to give the CPU independent chains; that changes no row's arithmetic
+// either. The tests compare rows computed alone, chunked, batched, on other blocks and threads bit for bit.
 
 #include <algorithm>
 #include <cmath>
@@ -138,32 +143,41 @@ constexpr int pow2_at_least(int n) {
     return w;
 }
 
-// BSC, DC: block size and head_dim fixed at compile time (0: taken from the arguments). The fixed ones let the
-// compiler keep a row block's scores and a row's output in registers; the arithmetic is the same.
-//
-// Two passes over the item's blocks, so that no running max has to be rescaled: the first computes every
-// score (kept for the second) and each row's exact max; the second turns scores into weights and sums
-// weights x values. Rows are (token, query head of the GQA group), a row's keys those its token may see.
+// An item's query tokens, and the keys each may see: positions [first_key(t), end_key(t)).
+struct ItemKeys {
+    int tok0 = 0, ntok = 0, pos0 = 0, ctx = 0;
+    const int32_t* table = nullptr;
+    int b_lo = 0, b_hi = 0;  // the blocks any of its tokens sees
+
+    ItemKeys() = default;
+
+    ItemKeys(const Args& a, int64_t item, int bs) {
+        const int32_t* it = a.items + item * 5;
+        tok0 = it[0], ntok = it[1], pos0 = it[2], ctx = it[3];
+        table = a.tables + static_cast<int64_t>(it[4]) * a.table_width;
+        int lo_all = ctx, hi_all = 0;
+        for (int t = 0; t < ntok; ++t) {
+            lo_all = std::min(lo_all, first_key(a, t));
+            hi_all = std::max(hi_all, end_key(a, t));
+        }
+        b_lo = lo_all / bs, b_hi = (hi_all + bs - 1) / bs;
+    }
+    int first_key(const Args& a, int t) const { return a.window > 0 ? std::max(0, pos0 + t - a.window + 1) : 0; }
+    int end_key(const Args& a, int t) const { return a.causal ? pos0 + t + 1 : ctx; }
+};
+
+// The generic implementation. BSC, DC: block size and head_dim fixed at compile time (0: taken from the
+// arguments). The fixed ones let the compiler keep a row block's scores and a row's output in registers; the
+// arithmetic is the same.
 template <int DT, int BSC, int DC>
 void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) {
-    const int32_t* it = a.items + item * 5;
-    const int tok0 = it[0], ntok = it[1], pos0 = it[2], ctx = it[3];
-    const int32_t* table = a.tables + static_cast<int64_t>(it[4]) * a.table_width;
-    const int G = a.heads / a.kv_heads, R = ntok * G;
     const int BS = BSC ? BSC : a.block_size, D = DC ? DC : a.head_dim;
+    const ItemKeys ik(a, item, BS);
+    const int ntok = ik.ntok, tok0 = ik.tok0, b_lo = ik.b_lo, b_hi = ik.b_hi;
+    const int G = a.heads / a.kv_heads, R = ntok * G;
     const int RP = (R + kRowBlock - 1) / kRowBlock * kRowBlock;  // rows padded with zero queries
     constexpr int BWC = BSC ? pow2_at_least(BSC) : 0;
     const int BW = BWC ? BWC : pow2_at_least(BS);  // block size rounded up to a power of two: lane count
-
-    // The keys token t may see: positions [first_key(t), end_key(t)).
-    auto first_key = [&](int t) { return a.window > 0 ? std::max(0, pos0 + t - a.window + 1) : 0; };
-    auto end_key = [&](int t) { return a.causal ? pos0 + t + 1 : ctx; };
-    int lo_all = ctx, hi_all = 0;  // the keys any row of the item sees
-    for (int t = 0; t < ntok; ++t) {
-        lo_all = std::min(lo_all, first_key(t));
-        hi_all = std::max(hi_all, end_key(t));
-    }
-    const int b_lo = lo_all / BS, b_hi = (hi_all + BS - 1) / BS;
     const int span = (b_hi - b_lo) * BS;
 
     buf.resize(static_cast<size_t>(RP) * (D + span) + static_cast<size_t>(R) * (D + 2 * BW) +
@@ -180,66 +194,18 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     for (int i = 0; i < R * BW; ++i) mx[i] = -INFINITY, ls[i] = 0.0f;
 
     const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * D;  // between positions of one block
-#if BRINE_BF16_SCORES
-    // bfloat16 with 16-key blocks: the scores come from AVX512-BF16 dot products of the bfloat16 query and
-    // keys (exact products, summed in float32 two dimensions at a time, in order), times the scale. Half the
-    // instructions of float32 FMAs; a row's arithmetic still depends only on its own query and keys.
-    constexpr bool bf16_scores = DT == kDtypeBF16 && BSC == 16 && DC > 0 && DC % 32 == 0;
-    std::vector<uint32_t> qpairs, kpairs;  // [RP][D / 2] query dimension pairs; [D / 2][16] keys' pairs
-    if constexpr (bf16_scores) {
-        qpairs.assign(static_cast<size_t>(RP) * DC / 2, 0u);  // pad rows: zero queries
-        kpairs.resize(static_cast<size_t>(DC / 2) * 16);
-        for (int t = 0; t < ntok; ++t)
-            for (int g = 0; g < G; ++g) {
-                const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
-                std::memcpy(qpairs.data() + static_cast<size_t>(t * G + g) * DC / 2,
-                            static_cast<const uint16_t*>(a.q) + qo, DC * 2);
-            }
-    }
-#else
-    constexpr bool bf16_scores = false;
-#endif
-    if constexpr (!bf16_scores) {  // float32 queries, scaled, for the FMA scores
-        for (int t = 0; t < ntok; ++t) {
-            for (int g = 0; g < G; ++g) {
-                const int r = t * G + g;
-                const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
-                for (int d = 0; d < D; ++d) qf[r * D + d] = load<DT>(a.q, qo + d) * a.scale;
-            }
+    for (int t = 0; t < ntok; ++t) {  // float32 queries, scaled
+        for (int g = 0; g < G; ++g) {
+            const int r = t * G + g;
+            const int64_t qo = (tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
+            for (int d = 0; d < D; ++d) qf[r * D + d] = load<DT>(a.q, qo + d) * a.scale;
         }
-        for (int i = R * D; i < RP * D; ++i) qf[i] = 0.0f;
     }
+    for (int i = R * D; i < RP * D; ++i) qf[i] = 0.0f;
     // Pass 1: scores, s[r, k] = sum over d, in order, of q[r, d] k[k, d]; each row's max per lane.
     for (int b = b_lo; b < b_hi; ++b) {
-        const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
+        const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
-#if BRINE_BF16_SCORES
-        if constexpr (bf16_scores) {
-            // kpairs[pr][j] = key j's dimension pair pr: 16 x 16 dword transposes of the block's keys.
-            const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
-            for (int c = 0; c < DC / 32; ++c) {
-                __m512i rows[16];
-                for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(kc + base + j * key_stride + 32 * c);
-                transpose16x16(rows);
-                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kpairs.data() + (16 * c + i) * 16, rows[i]);
-            }
-            const __m512 vscale = _mm512_set1_ps(a.scale);
-            for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
-                __m512 acc[kRowBlock];
-                for (int i = 0; i < kRowBlock; ++i) acc[i] = _mm512_setzero_ps();
-                for (int pr = 0; pr < DC / 2; ++pr) {
-                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kpairs.data() + pr * 16);
-                    for (int i = 0; i < kRowBlock; ++i) {
-                        const uint32_t qp = qpairs[static_cast<size_t>(r0 + i) * DC / 2 + pr];
-                        acc[i] = _mm512_dpbf16_ps(acc[i], kv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp)));
-                    }
-                }
-                for (int i = 0; i < kRowBlock; ++i)
-                    _mm512_storeu_ps(sc + static_cast<int64_t>(r0 + i) * span + col, _mm512_mul_ps(acc[i], vscale));
-            }
-        }
-#endif
-        if constexpr (!bf16_scores) {
         for (int j = 0; j < BS; ++j)
             for (int d = 0; d < D; ++d) kt[d * BS + j] = load<DT>(a.k_cache, base + j * key_stride + d);
         for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
@@ -266,11 +232,10 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                 sr[3 * span + j] = s3[j];
             }
         }
-        }
         const int k0 = b * BS;
         for (int t = 0; t < ntok; ++t) {
-            const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
-            const int vlo = std::max(first_key(t), k0) - k0;
+            const int vhi = std::min(ik.end_key(a, t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
+            const int vlo = std::max(ik.first_key(a, t), k0) - k0;
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
@@ -290,42 +255,15 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
             for (int j = 0; j < w; ++j) mr[j] = mr[j] > mr[j + w] ? mr[j] : mr[j + w];
     }
     // Pass 2: weights exp(s - max) (hidden keys exactly 0), their sums per lane, and weights x values.
-#if BRINE_BF16_SCORES
-    // bfloat16 with 16-key blocks and head_dim a multiple of 32: the weights are rounded to bfloat16 (as
-    // transformers rounds its probabilities before multiplying the values), summed as rounded, and weights x
-    // values come from vdpbf16ps over key pairs (2i, 2i + 1) of the block, all 8 pairs in order (a hidden
-    // key's weight is exactly 0). The accumulator's lanes hold the dimensions in unpack order (see below);
-    // the output is written back in order.
-    constexpr bool bf16_values = bf16_scores && DC % 32 == 0;
-    // [8 key pairs][DC / 16]: (v[2i][d], v[2i + 1][d]) dwords (a plain array: std::vector would not keep
-    // __m512i's 64-byte alignment)
-    alignas(64) __m512i vpairs[bf16_values ? 8 * DC / 16 : 1];
-#else
-    constexpr bool bf16_values = false;
-#endif
     for (int b = b_lo; b < b_hi; ++b) {
-        const int64_t base = (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D;
+        const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
         const int k0 = b * BS;
-        if constexpr (bf16_values) {
-#if BRINE_BF16_SCORES
-            const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache);
-            for (int jp = 0; jp < 8; ++jp)
-                for (int c = 0; c < DC / 32; ++c) {
-                    const __m512i v0 = _mm512_loadu_si512(vc + base + (2 * jp) * key_stride + 32 * c);
-                    const __m512i v1 = _mm512_loadu_si512(vc + base + (2 * jp + 1) * key_stride + 32 * c);
-                    // lane i of lo: d = 32c + 8(i / 4) + i % 4; of hi: the same + 4
-                    vpairs[jp * DC / 16 + 2 * c] = _mm512_unpacklo_epi16(v0, v1);
-                    vpairs[jp * DC / 16 + 2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
-                }
-#endif
-        } else {
-            for (int j = 0; j < BS; ++j)
-                for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
-        }
+        for (int j = 0; j < BS; ++j)
+            for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
         for (int t = 0; t < ntok; ++t) {
-            const int vhi = std::min(end_key(t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
-            const int vlo = std::max(first_key(t), k0) - k0;
+            const int vhi = std::min(ik.end_key(a, t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
+            const int vlo = std::max(ik.first_key(a, t), k0) - k0;
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
@@ -333,63 +271,43 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                 const float m = mx[r * BW];
                 float* lr = ls + r * BW;
                 float p[BSC ? BSC : kMaxBlock];
-                uint16_t pb[bf16_values ? 16 : 1];  // bfloat16 weights: summed as they are multiplied
                 for (int j = 0; j < BS; ++j) {
                     const float e = exp_nonpos(sr[j] - m);
                     p[j] = (j >= vlo && j < vhi) ? e : 0.0f;
-                    if constexpr (bf16_values) {
-                        pb[j] = f32_to_bf16(p[j]);
-                        p[j] = bf16_to_f32(pb[j]);
-                    }
                     lr[j] += p[j];
                 }
-                if constexpr (bf16_values) {
-#if BRINE_BF16_SCORES
-                    // Output += weights x values, key pair by key pair in order (all 8: hidden weights are 0).
-                    __m512 o[DC / 16];
-                    float* ar = acc + r * D;
-                    for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_loadu_ps(ar + 16 * i);
-                    for (int jp = 0; jp < 8; ++jp) {
-                        const uint32_t pair = pb[2 * jp] | (static_cast<uint32_t>(pb[2 * jp + 1]) << 16);
-                        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
-                        for (int i = 0; i < DC / 16; ++i) o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)vpairs[jp * DC / 16 + i], w);
+                // Output += weights x values, key by key in order, 64 columns at a time in four registers.
+                float* ar = acc + r * D;
+                int d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) {
+                    float o0[16], o1[16], o2[16], o3[16];
+                    for (int i = 0; i < 16; ++i) {
+                        o0[i] = ar[d0 + i];
+                        o1[i] = ar[d0 + 16 + i];
+                        o2[i] = ar[d0 + 32 + i];
+                        o3[i] = ar[d0 + 48 + i];
                     }
-                    for (int i = 0; i < DC / 16; ++i) _mm512_storeu_ps(ar + 16 * i, o[i]);
-#endif
-                } else {
-                    // Output += weights x values, key by key in order, 64 columns at a time in four registers.
-                    float* ar = acc + r * D;
-                    int d0 = 0;
-                    for (; d0 + 64 <= D; d0 += 64) {
-                        float o0[16], o1[16], o2[16], o3[16];
+                    for (int j = vlo; j < vhi; ++j) {
+                        const float pj = p[j];
+                        const float* vj = vf + j * D + d0;
                         for (int i = 0; i < 16; ++i) {
-                            o0[i] = ar[d0 + i];
-                            o1[i] = ar[d0 + 16 + i];
-                            o2[i] = ar[d0 + 32 + i];
-                            o3[i] = ar[d0 + 48 + i];
-                        }
-                        for (int j = vlo; j < vhi; ++j) {
-                            const float pj = p[j];
-                            const float* vj = vf + j * D + d0;
-                            for (int i = 0; i < 16; ++i) {
-                                o0[i] = std::fma(pj, vj[i], o0[i]);
-                                o1[i] = std::fma(pj, vj[16 + i], o1[i]);
-                                o2[i] = std::fma(pj, vj[32 + i], o2[i]);
-                                o3[i] = std::fma(pj, vj[48 + i], o3[i]);
-                            }
-                        }
-                        for (int i = 0; i < 16; ++i) {
-                            ar[d0 + i] = o0[i];
-                            ar[d0 + 16 + i] = o1[i];
-                            ar[d0 + 32 + i] = o2[i];
-                            ar[d0 + 48 + i] = o3[i];
+                            o0[i] = std::fma(pj, vj[i], o0[i]);
+                            o1[i] = std::fma(pj, vj[16 + i], o1[i]);
+                            o2[i] = std::fma(pj, vj[32 + i], o2[i]);
+                            o3[i] = std::fma(pj, vj[48 + i], o3[i]);
                         }
                     }
-                    for (int d = d0; d < D; ++d) {  // head_dim not a multiple of 64: the rest, the same arithmetic
-                        float o = ar[d];
-                        for (int j = vlo; j < vhi; ++j) o = std::fma(p[j], vf[j * D + d], o);
-                        ar[d] = o;
+                    for (int i = 0; i < 16; ++i) {
+                        ar[d0 + i] = o0[i];
+                        ar[d0 + 16 + i] = o1[i];
+                        ar[d0 + 32 + i] = o2[i];
+                        ar[d0 + 48 + i] = o3[i];
                     }
+                }
+                for (int d = d0; d < D; ++d) {  // head_dim not a multiple of 64: the rest, the same arithmetic
+                    float o = ar[d];
+                    for (int j = vlo; j < vhi; ++j) o = std::fma(p[j], vf[j * D + d], o);
+                    ar[d] = o;
                 }
             }
         }
@@ -402,20 +320,261 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
             for (int w = BW / 2; w >= 1; w /= 2)
                 for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
             const float lr = lanes[0] > 0.0f ? lanes[0] : 1.0f;  // a row that sees no key (not causal): 0
-            for (int d = 0; d < D; ++d) {
-                int at = d;  // where dimension d accumulated
-                if constexpr (bf16_values) {
-                    const int c = d / 32, l = (d % 32) / 8, k = d % 8;
-                    at = (2 * c + (k >= 4)) * 16 + 4 * l + k % 4;
-                }
-                store<DT>(a.out, oo + d, acc[r * D + at] / lr);
-            }
+            for (int d = 0; d < D; ++d) store<DT>(a.out, oo + d, acc[r * D + d] / lr);
         }
     }
 }
 
+#if BRINE_BF16_SCORES
+// ---- The AVX512-BF16 implementation: bfloat16, 16-key blocks, head_dim DC a multiple of 32 ----
+
+// exp_nonpos for 16 lanes: the same operations in the same order (max, multiply, add, subtract, the same
+// fmas, the same exponent bits), so every lane has the scalar function's bits.
+inline __m512 exp_nonpos16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // vmaxps: x > -87 ? x : -87, as the scalar (NaN too)
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+inline __mmask16 lanes_between(int lo, int hi) {  // lanes [lo, hi) of 16
+    return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// A row's weights for one block: exp(s - max) on lanes [vlo, vhi), exactly 0 elsewhere, rounded to bfloat16
+// and added as rounded to the row's lane sums; `pairs` gets the 8 (key 2i, key 2i + 1) weight pairs.
+// vcvtneps2bf16 rounds to nearest even as f32_to_bf16 does; the two differ only on NaN and subnormal inputs,
+// and exp_nonpos never returns either (its input is clamped to -87, NaN included, so it is >= 1.6e-38).
+inline void bf16_weights(const float* sr, float m, int vlo, int vhi, float* lr, uint32_t* pairs) {
+    const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sr), _mm512_set1_ps(m)));
+    const __m256bh wb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(lanes_between(vlo, vhi), e));
+    const __m512 wr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)wb), 16));
+    _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), wr));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)wb);
+}
+
+// NR rows' scores against NB blocks of 16 keys: per row and key, vdpbf16ps over the dimension pairs in
+// order, times the scale. Every (row, block) is its own chain, so how many run together changes no bits;
+// NR x NB chains hide the instruction's latency, and each query broadcast serves NB blocks.
+template <int NR, int NB, int DC>
+inline void bf16_score_rows(const uint32_t* qp, const uint32_t* kpairs, float* out, int64_t span, __m512 vscale) {
+    __m512 acc[NR][NB];
+    for (int i = 0; i < NR; ++i)
+        for (int k = 0; k < NB; ++k) acc[i][k] = _mm512_setzero_ps();
+    for (int pr = 0; pr < DC / 2; ++pr) {
+        __m512bh kv[NB];
+        for (int k = 0; k < NB; ++k) kv[k] = (__m512bh)_mm512_loadu_si512(kpairs + (k * DC / 2 + pr) * 16);
+        for (int i = 0; i < NR; ++i) {
+            const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i * DC / 2 + pr]));
+            for (int k = 0; k < NB; ++k) acc[i][k] = _mm512_dpbf16_ps(acc[i][k], kv[k], q);
+        }
+    }
+    for (int i = 0; i < NR; ++i)
+        for (int k = 0; k < NB; ++k) _mm512_storeu_ps(out + i * span + 16 * k, _mm512_mul_ps(acc[i][k], vscale));
+}
+
+// NR rows' outputs, columns of NC chunks of 32 dimensions, += their weights x one block's values, key pair
+// by key pair in order. rows[i]: row i's accumulator at the first chunk; w[i]: its weight pairs; vpairs:
+// [8 key pairs][NC chunks][2] (v[2i][d], v[2i + 1][d]) dwords. Each row is its own chains.
+template <int NR, int NC>
+inline void bf16_value_rows(float* const* rows, const uint32_t (*w)[8], const __m512i* vpairs) {
+    __m512 o[NR][2 * NC];
+    for (int k = 0; k < NR; ++k)
+        for (int i = 0; i < 2 * NC; ++i) o[k][i] = _mm512_loadu_ps(rows[k] + 16 * i);
+    for (int jp = 0; jp < 8; ++jp) {
+        for (int k = 0; k < NR; ++k) {
+            const __m512bh wk = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[k][jp]));
+            for (int i = 0; i < 2 * NC; ++i) o[k][i] = _mm512_dpbf16_ps(o[k][i], (__m512bh)vpairs[jp * 2 * NC + i], wk);
+        }
+    }
+    for (int k = 0; k < NR; ++k)
+        for (int i = 0; i < 2 * NC; ++i) _mm512_storeu_ps(rows[k] + 16 * i, o[k][i]);
+}
+
+// One (item, KV head) of the bfloat16 implementation: its rows and keys, and its working memory.
+template <int DC>
+struct Bf16Work {
+    ItemKeys ik;
+    int kvh = 0, G = 0, R = 0, RP = 0, span = 0;
+    std::vector<uint32_t> qpairs;  // [RP][DC / 2] query dimension pairs (pad rows 0)
+    std::vector<float> sc;         // [RP][span] every score of the item
+    std::vector<float> acc;        // [R][DC] weighted sums of values; a chunk's 32 columns in unpack order
+    std::vector<float> mx;         // [R][16] max per key lane, then each row's max in lane 0
+    std::vector<float> ls;         // [R][16] sums of weights per key lane
+
+    // Takes (item, KV head) on, reusing the vectors' memory from the last one.
+    void reset(const Args& a, int64_t item, int kvh_) {
+        ik = ItemKeys(a, item, 16);
+        kvh = kvh_, G = a.heads / a.kv_heads, R = ik.ntok * G;
+        RP = (R + kRowBlock - 1) / kRowBlock * kRowBlock, span = (ik.b_hi - ik.b_lo) * 16;
+        qpairs.assign(static_cast<size_t>(RP) * DC / 2, 0u);
+        for (int t = 0; t < ik.ntok; ++t)
+            for (int g = 0; g < G; ++g) {
+                const int64_t qo = (ik.tok0 + t) * a.q_stride_t + (kvh * G + g) * a.q_stride_h;
+                std::memcpy(qpairs.data() + static_cast<size_t>(t * G + g) * DC / 2,
+                            static_cast<const uint16_t*>(a.q) + qo, DC * 2);
+            }
+        sc.resize(static_cast<size_t>(RP) * span);
+        acc.assign(static_cast<size_t>(R) * DC, 0.0f);
+        mx.assign(static_cast<size_t>(R) * 16, -INFINITY);
+        ls.assign(static_cast<size_t>(R) * 16, 0.0f);
+    }
+
+    int64_t base(const Args& a, int b) const { return (static_cast<int64_t>(ik.table[b]) * 16 * a.kv_heads + kvh) * DC; }
+    // The keys of block b that token t sees: lanes [vlo, vhi) (empty when vhi <= vlo).
+    void visible(const Args& a, int t, int b, int& vlo, int& vhi) const {
+        vhi = std::min(ik.end_key(a, t), 16 * b + 16) - 16 * b;
+        vlo = std::max(ik.first_key(a, t), 16 * b) - 16 * b;
+    }
+
+    // Pass 1: scores, two blocks at a time, then each row's max per lane, then per row.
+    void scores(const Args& a) {
+        const int bA = ik.b_lo, bB = ik.b_hi;
+        const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
+        const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * DC;
+        const __m512 vscale = _mm512_set1_ps(a.scale);
+        alignas(64) uint32_t kpairs[2 * DC / 2 * 16];  // [block][pr][key]: key's dimension pair pr
+        for (int b = bA; b < bB; b += 2) {
+            const int nb = std::min(2, bB - b);
+            for (int k = 0; k < nb; ++k) {  // 16 x 16 dword transposes of each block's keys
+                const int64_t kb = base(a, b + k);
+                for (int c = 0; c < DC / 32; ++c) {
+                    __m512i rows[16];
+                    for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(kc + kb + j * key_stride + 32 * c);
+                    transpose16x16(rows);
+                    for (int i = 0; i < 16; ++i) _mm512_store_si512(kpairs + (k * DC / 2 + 16 * c + i) * 16, rows[i]);
+                }
+            }
+            float* out = sc.data() + (b - ik.b_lo) * 16;
+            const uint32_t* qp = qpairs.data();
+            int r0 = 0;
+            if (nb == 2) {
+                for (; r0 + 8 <= RP; r0 += 8)
+                    bf16_score_rows<8, 2, DC>(qp + r0 * DC / 2, kpairs, out + int64_t{r0} * span, span, vscale);
+                for (; r0 < RP; r0 += kRowBlock)
+                    bf16_score_rows<kRowBlock, 2, DC>(qp + r0 * DC / 2, kpairs, out + int64_t{r0} * span, span, vscale);
+            } else {
+                for (; r0 + 8 <= RP; r0 += 8)
+                    bf16_score_rows<8, 1, DC>(qp + r0 * DC / 2, kpairs, out + int64_t{r0} * span, span, vscale);
+                for (; r0 < RP; r0 += kRowBlock)
+                    bf16_score_rows<kRowBlock, 1, DC>(qp + r0 * DC / 2, kpairs, out + int64_t{r0} * span, span, vscale);
+            }
+        }
+        for (int b = bA; b < bB; ++b)
+            for (int t = 0; t < ik.ntok; ++t) {
+                int vlo, vhi;
+                visible(a, t, b, vlo, vhi);
+                if (vhi <= vlo) continue;
+                const __mmask16 vis = lanes_between(vlo, vhi);
+                for (int g = 0; g < G; ++g) {  // vmaxps: x > m ? x : m, as the generic loop
+                    const int r = t * G + g;
+                    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), vis,
+                                                          sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16);
+                    float* mr = mx.data() + r * 16;
+                    _mm512_storeu_ps(mr, _mm512_max_ps(x, _mm512_loadu_ps(mr)));
+                }
+            }
+        for (int r = 0; r < R; ++r) {  // a halving tree over the lanes (max is exact in any order)
+            float* mr = mx.data() + r * 16;
+            for (int w = 8; w >= 1; w /= 2)
+                for (int j = 0; j < w; ++j) mr[j] = mr[j] > mr[j + w] ? mr[j] : mr[j + w];
+        }
+    }
+
+    // Pass 2: weights (into the lane sums) and weights x values, rows four at a time; then the outputs.
+    void values(const Args& a) {
+        constexpr int NC = DC / 32;  // chunks of 32 output dimensions
+        const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache);
+        const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * DC;
+        alignas(64) __m512i vpairs[8 * 2 * NC];
+        for (int b = ik.b_lo; b < ik.b_hi; ++b) {
+            const int64_t vb = base(a, b);
+            for (int jp = 0; jp < 8; ++jp)
+                for (int c = 0; c < NC; ++c) {
+                    const uint16_t* v = vc + vb + (2 * jp) * key_stride + 32 * c;
+                    const __m512i v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + key_stride);
+                    // lane i of lo: d = 32c + 8(i / 4) + i % 4; of hi: the same + 4
+                    vpairs[jp * 2 * NC + 2 * c] = _mm512_unpacklo_epi16(v0, v1);
+                    vpairs[jp * 2 * NC + 2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
+                }
+            float* group[4];
+            alignas(32) uint32_t w[4][8];
+            int n = 0;
+            auto flush = [&]() {
+                switch (n) {
+                    case 1: bf16_value_rows<1, NC>(group, w, vpairs); break;
+                    case 2: bf16_value_rows<2, NC>(group, w, vpairs); break;
+                    case 3: bf16_value_rows<3, NC>(group, w, vpairs); break;
+                    case 4: bf16_value_rows<4, NC>(group, w, vpairs); break;
+                    default: break;
+                }
+                n = 0;
+            };
+            for (int t = 0; t < ik.ntok; ++t) {
+                int vlo, vhi;
+                visible(a, t, b, vlo, vhi);
+                if (vhi <= vlo) continue;
+                for (int g = 0; g < G; ++g) {
+                    const int r = t * G + g;
+                    bf16_weights(sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16, mx[r * 16], vlo, vhi,
+                                 ls.data() + r * 16, w[n]);
+                    group[n++] = acc.data() + r * DC;
+                    if (n == 4) flush();
+                }
+            }
+            flush();
+        }
+        for (int t = 0; t < ik.ntok; ++t)
+            for (int g = 0; g < G; ++g) {
+                const int r = t * G + g;
+                const int64_t oo = (static_cast<int64_t>(ik.tok0 + t) * a.heads + kvh * G + g) * DC;
+                float* lanes = ls.data() + r * 16;  // the sum of weights: a fixed halving tree over the key lanes
+                for (int wd = 8; wd >= 1; wd /= 2)
+                    for (int j = 0; j < wd; ++j) lanes[j] += lanes[j + wd];
+                const float lr = lanes[0] > 0.0f ? lanes[0] : 1.0f;  // a row that sees no key (not causal): 0
+                for (int d = 0; d < DC; ++d) {
+                    const int c = d / 32, l = (d % 32) / 8, k = d % 8;  // where dimension d accumulated
+                    store<kDtypeBF16>(a.out, oo + d, acc[r * DC + 32 * c + 16 * (k >= 4) + 4 * l + k % 4] / lr);
+                }
+            }
+    }
+};
+
+// Every (item, KV head) on its own, spread over the threads.
+template <int DC>
+void run_bf16_items(const Args& a, int threads) {
+    const int64_t work = a.num_items * a.kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        Bf16Work<DC> w;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < work; ++u) {
+            w.reset(a, u / a.kv_heads, static_cast<int>(u % a.kv_heads));
+            w.scores(a);
+            w.values(a);
+        }
+    }
+}
+
+#endif
+
 template <int DT, int BSC, int DC>
 void run_items(const Args& a, int threads) {
+#if BRINE_BF16_SCORES
+    if constexpr (DT == kDtypeBF16 && BSC == 16 && DC > 0 && DC % 32 == 0) {
+        return run_bf16_items<DC>(a, threads);
+    }
+#endif
     const int64_t work = a.num_items * a.kv_heads;
 #pragma omp parallel num_threads(threads)
     {
