@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from engine.split_encode import split, why_not_splittable
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,12 @@ class Tokenizer:
         self.backend = self.hf.backend_tokenizer
         self.eos_token_ids: frozenset[int] = frozenset(self._find_eos_ids())
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
+        # A long text is encoded in pieces where that gives exactly its tokens (split_encode); 0: never.
+        why_not = why_not_splittable(json.loads(self.backend.to_str()))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.encode_pieces = 0 if why_not else cores
+        if why_not:
+            logger.debug("long prompts are encoded whole: %s", why_not)
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -36,8 +45,13 @@ class Tokenizer:
 
         Through `encode_batch`, which releases the GIL while the Rust tokenizer works (`encode` holds it): the
         server tokenizes in a worker thread, and a megabyte-long prompt must not stall the event loop and the
-        engine thread for a second."""
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        engine thread for a second. A long text is cut into pieces that encode to exactly its tokens
+        (engine/split_encode.py) and encoded on the backend's threads; the pieces get no special tokens, which
+        is all the post-processor would add (split_encode checks that it adds none)."""
+        pieces = split(text, self.encode_pieces) if self.encode_pieces else [text]
+        if len(pieces) == 1:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return [i for enc in self.backend.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
