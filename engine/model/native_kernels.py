@@ -36,10 +36,8 @@ from engine.model.invariance import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(
-    CSRC / name
-    for name in ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp", "decoder_stack.cpp")
-)
+SOURCE_NAMES = ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp", "decoder_stack.cpp")
+SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 HEADERS = (CSRC / "dtypes.h",)  # included by the sources (found through -I CSRC): part of the cache key
 # The dtype codes of csrc/dtypes.h. The attention takes all three; the quantized linear and the elementwise
 # kernels take float32 and bfloat16 only.
@@ -81,13 +79,15 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, csrc: Path = CSRC) -> None:
     """Compile each source to an object file, all at once (one g++ per source: ~10 s in series, about half
-    on two cores), then link them into `target` by way of a temporary file."""
+    on two cores), then link them into `target` by way of a temporary file. `csrc`: another checkout's
+    sources (build_baseline)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    sources = [csrc / name for name in SOURCE_NAMES]
     with tempfile.TemporaryDirectory(prefix=target.name, dir=target.parent) as work:
-        objects = [str(Path(work) / f"{src.stem}.o") for src in SOURCES]
-        compile_flags = [f for f in FLAGS if f != "-shared"] + ["-I", str(CSRC)]
+        objects = [str(Path(work) / f"{src.stem}.o") for src in sources]
+        compile_flags = [f for f in FLAGS if f != "-shared"] + ["-I", str(csrc)]
         jobs = [
             subprocess.Popen(
                 [compiler, *compile_flags, "-c", "-o", obj, str(src)],
@@ -95,7 +95,7 @@ def _build(compiler: str, target: Path) -> None:
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for src, obj in zip(SOURCES, objects, strict=True)
+            for src, obj in zip(sources, objects, strict=True)
         ]
         failed = None
         for job in jobs:
@@ -109,6 +109,17 @@ def _build(compiler: str, target: Path) -> None:
             [compiler, *FLAGS, "-o", tmp, *objects], check=True, capture_output=True, text=True, timeout=300
         )
         os.replace(tmp, target)
+
+
+def build_baseline(csrc: Path, target: Path) -> Kernels:
+    """Another checkout's kernels (its `engine/model/csrc`), built into `target` and bound, for before / after
+    benchmarks in one process (benchmarks/attention_bench.py --baseline). Raises where they do not build or
+    have other ABIs."""
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C++ compiler (g++) found")
+    _build(compiler, target, csrc)
+    return _bind(target)
 
 
 def _bind(path: Path) -> Kernels:
