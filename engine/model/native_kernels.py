@@ -79,12 +79,13 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
-def _build(compiler: str, target: Path, csrc: Path = CSRC) -> None:
+def _build(compiler: str, target: Path, csrc: Path | None = None) -> None:
     """Compile each source to an object file, all at once (one g++ per source: ~10 s in series, about half
     on two cores), then link them into `target` by way of a temporary file. `csrc`: another checkout's
-    sources (build_baseline)."""
+    sources (build_baseline); by default this tree's SOURCES."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    sources = [csrc / name for name in SOURCE_NAMES]
+    sources = list(SOURCES) if csrc is None else [csrc / name for name in SOURCE_NAMES]
+    csrc = CSRC if csrc is None else csrc
     with tempfile.TemporaryDirectory(prefix=target.name, dir=target.parent) as work:
         objects = [str(Path(work) / f"{src.stem}.o") for src in sources]
         compile_flags = [f for f in FLAGS if f != "-shared"] + ["-I", str(csrc)]
