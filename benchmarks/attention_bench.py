@@ -3,8 +3,9 @@
 Each case is one request in one step over a paged cache whose blocks are handed out in random order, with the
 default model's attention shape unless told (9 query heads, 3 KV heads, head_dim 64, block size 16,
 bfloat16): a decode at a short and a long context, a warm chunk (16 new tokens over ~2,000 cached, the step
-behind a warm TTFT) and fresh prefills. Both backends run alternately on the same inputs in one process and
-the median of `--repeats` runs is reported, with tiled / native (these machines are noisy: compare ratios).
+behind a warm TTFT), fresh prefills, and decodes whose cached context comes from DRAM (see CASES). Both
+backends run alternately on the same inputs in one process and the median of `--repeats` runs is reported,
+with tiled / native (these machines are noisy: compare ratios).
 
 `--baseline DIR` instead times another checkout's native kernel (DIR/engine/model/csrc, built into a temporary
 directory) against this tree's, alternating run by run, and says whether their outputs have the same bits: the
@@ -35,39 +36,35 @@ from engine.model.native_attention import NativeBackend  # noqa: E402
 from engine.model.native_kernels import build_baseline, load  # noqa: E402
 from engine.model.tiled_attention import TiledBackend  # noqa: E402
 
-# name -> (new tokens, context)
+# name -> (new tokens, context, cache): "small" caches hold little more than the case's blocks (they stay in
+# the CPU's caches from run to run); "large" ones are ~300 MB at the default shape, and every run, of either
+# backend, reads another of 64 block tables scattered over them (all 64 touch far more than the CPU's caches
+# hold), so the context comes from DRAM, as a cached prompt's does in a server.
 CASES = {
-    "decode, 128 context": (1, 128),
-    "decode, 2,000 context": (1, 2000),
-    "warm: 16 new over 2,000": (16, 2000),
-    "prefill 512": (512, 512),
-    "prefill 2,048": (2048, 2048),
+    "decode, 128 context": (1, 128, "small"),
+    "decode, 2,000 context": (1, 2000, "small"),
+    "warm: 16 new over 2,000": (16, 2000, "small"),
+    "prefill 512": (512, 512, "small"),
+    "prefill 2,048": (2048, 2048, "small"),
+    "decode, 2,000 in DRAM": (1, 2000, "large"),
+    "decode, 8,000 in DRAM": (1, 8000, "large"),
 }
+LARGE_BLOCKS = 24_000
+TABLES = 64
 
 
-def time_one(backend, q, kc, vc, meta, scale: float, repeats: int) -> float:
-    plan = backend.plan(meta)
-    with torch.inference_mode():
-        backend.forward(q, q, q, kc, vc, plan, None, scale)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            backend.forward(q, q, q, kc, vc, plan, None, scale)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
-
-
-def time_alternating(backends: dict, q, kc, vc, meta, scale: float, repeats: int) -> dict[str, float]:
-    """Median ms per backend, the backends taking turns run by run (so that the machine's noise falls on all)."""
-    plans = {k: b.plan(meta) for k, b in backends.items()}
+def time_backends(backends: dict, q, kc, vc, metas: list, scale: float, repeats: int) -> dict[str, float]:
+    """Median ms per backend; the backends take turns run by run (so that the machine's noise falls on all),
+    and each run reads the next of `metas` (so that no backend reads blocks the other has just brought in)."""
+    plans = {k: [b.plan(m) for m in metas] for k, b in backends.items()}
     times: dict[str, list[float]] = {k: [] for k in backends}
     with torch.inference_mode():
         for k, b in backends.items():
-            b.forward(q, q, q, kc, vc, plans[k], None, scale)  # warm-up
-        for _ in range(repeats):
-            for k, b in backends.items():
+            b.forward(q, q, q, kc, vc, plans[k][0], None, scale)  # warm-up
+        for r in range(repeats):
+            for i, (k, b) in enumerate(backends.items()):
                 t0 = time.perf_counter()
-                b.forward(q, q, q, kc, vc, plans[k], None, scale)
+                b.forward(q, q, q, kc, vc, plans[k][(r * len(backends) + i) % len(metas)], None, scale)
                 times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1000 for k, v in times.items()}
 
@@ -93,54 +90,56 @@ def main() -> int:
     if kernels is None:
         print(f"the native kernels are not available here: {why}")
         return 1
+    if args.baseline is None:
+        backends = {
+            "tiled": TiledBackend(torch.device("cpu"), args.head_dim),
+            "native": NativeBackend(kernels),
+        }
+        return run_cases(args, backends, "runs")
+    with tempfile.TemporaryDirectory() as tmp:
+        before = build_baseline(args.baseline / "engine" / "model" / "csrc", Path(tmp) / "baseline.so")
+        return run_cases(args, {"baseline": NativeBackend(before), "this tree": NativeBackend(kernels)},
+                         f"alternating runs; baseline {args.baseline}")  # fmt: skip
+
+
+def run_cases(args: argparse.Namespace, backends: dict, what: str) -> int:
+    """Every case on both backends: their ms per layer, the first over the second, and (for two native
+    kernels) whether their outputs have the same bits."""
     dtype, bs, hkv, d = DTYPES[args.dtype], args.block_size, args.kv_heads, args.head_dim
-    num_blocks = max(n for _, n in CASES.values()) // bs + 8
     g = torch.Generator().manual_seed(0)
-    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
-    if args.baseline is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            before = build_baseline(args.baseline / "engine" / "model" / "csrc", Path(tmp) / "baseline.so")
-            return compare_kernels(args, NativeBackend(before), NativeBackend(kernels), kc, vc, g)
-    backends = {"tiled": TiledBackend(torch.device("cpu"), d), "native": NativeBackend(kernels)}
+    small_blocks = max(ctx for _, ctx, _ in CASES.values()) // bs + 8
+    caches = {
+        size: tuple(torch.randn(blocks, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+        for size, blocks in (("small", small_blocks), ("large", LARGE_BLOCKS))
+    }
+    first, second = backends
+    native_pair = all(isinstance(b, NativeBackend) for b in backends.values())
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, {args.heads} heads / "
-        f"{hkv} kv heads, head_dim {d}, block size {bs}; median of {args.repeats} runs, ms per layer"
+        f"{hkv} kv heads, head_dim {d}, block size {bs}; median of {args.repeats} {what}, ms per layer"
     )
-    print(f"{'case':26} {'tiled':>10} {'native':>10} {'tiled/native':>13}")
+    print(
+        f"{'case':26} {first:>10} {second:>10} {first + '/' + second:>20}"
+        + (f" {'same bits':>10}" if native_pair else "")
+    )
     rng = random.Random(0)
-    for name, (n, ctx) in CASES.items():
-        table = rng.sample(range(1, num_blocks), -(-ctx // bs))
-        meta = AttentionMetadata([n], [ctx], [table], bs, torch.zeros(0, dtype=torch.int64))
+    for name, (n, ctx, size) in CASES.items():
+        kc, vc = caches[size]
+        tables = [
+            rng.sample(range(1, kc.shape[0]), -(-ctx // bs)) for _ in range(1 if size == "small" else TABLES)
+        ]
+        metas = [AttentionMetadata([n], [ctx], [t], bs, torch.zeros(0, dtype=torch.int64)) for t in tables]
         q = torch.randn(n, args.heads, d, generator=g).to(dtype)
         reps = max(3, args.repeats // (1 + n // 256))
-        ms = {k: time_one(b, q, kc, vc, meta, d**-0.5, reps) for k, b in backends.items()}
-        print(f"{name:26} {ms['tiled']:10.3f} {ms['native']:10.3f} {ms['tiled'] / ms['native']:12.2f}x")
-    return 0
-
-
-def compare_kernels(args: argparse.Namespace, before: NativeBackend, after: NativeBackend, kc, vc, g) -> int:
-    bs, d = args.block_size, args.head_dim
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, {args.heads} heads / "
-        f"{args.kv_heads} kv heads, head_dim {d}, block size {bs}; median of {args.repeats} alternating runs, "
-        f"ms per layer; baseline {args.baseline}"
-    )
-    print(f"{'case':26} {'baseline':>10} {'this tree':>10} {'baseline/this':>14} {'same bits':>10}")
-    rng = random.Random(0)
-    num_blocks = kc.shape[0]
-    for name, (n, ctx) in CASES.items():
-        table = rng.sample(range(1, num_blocks), -(-ctx // bs))
-        meta = AttentionMetadata([n], [ctx], [table], bs, torch.zeros(0, dtype=torch.int64))
-        q = torch.randn(n, args.heads, d, generator=g).to(kc.dtype)
-        reps = max(3, args.repeats // (1 + n // 256))
-        ms = time_alternating({"before": before, "after": after}, q, kc, vc, meta, d**-0.5, reps)
-        with torch.inference_mode():
-            outs = [b.forward(q, q, q, kc, vc, b.plan(meta), None, d**-0.5) for b in (before, after)]
-        print(
-            f"{name:26} {ms['before']:10.3f} {ms['after']:10.3f} {ms['before'] / ms['after']:13.2f}x "
-            f"{'yes' if same_bits(*outs) else 'NO':>10}"
-        )
+        ms = time_backends(backends, q, kc, vc, metas, d**-0.5, reps)
+        line = f"{name:26} {ms[first]:10.3f} {ms[second]:10.3f} {ms[first] / ms[second]:19.2f}x"
+        if native_pair:
+            with torch.inference_mode():
+                outs = [
+                    b.forward(q, q, q, kc, vc, b.plan(metas[0]), None, d**-0.5) for b in backends.values()
+                ]
+            line += f" {'yes' if same_bits(*outs) else 'NO':>10}"
+        print(line)
     return 0
 
 

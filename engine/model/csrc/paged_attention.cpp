@@ -133,6 +133,13 @@ inline void transpose16x16(__m512i m[16]) {
 }
 #endif
 
+// Each pass first asks for up to this many of the item's blocks (this head's rows of them) in L2, all at once,
+// and then for one more as it finishes each: a decode over cached context then has far more lines in flight
+// than the hardware prefetcher keeps for a walk that reads one head's 128 bytes of every kv_heads x 128 in
+// blocks scattered over the pool (decode over 2,000 cached tokens in DRAM 1.1-1.7x faster, over 8,000 1.5x;
+// benchmarks/attention_bench.py). 256 blocks of 16 keys at head_dim 64: 512 KB, half of this CPU's L2. The
+// loops are written out in place: the same prefetches from a helper function measured 1.2-1.7x slower.
+constexpr int kPrefetchBlocks = 256;
 constexpr int kRowBlock = 4;    // rows whose scores are computed together: independent FMA chains, same bits
 constexpr int kMaxBlock = 256;  // largest block size and head_dim of the generic instantiation
 constexpr int kMaxDim = 512;
@@ -444,8 +451,21 @@ struct Bf16Work {
         const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * DC;
         const __m512 vscale = _mm512_set1_ps(a.scale);
         alignas(64) uint32_t kpairs[2 * DC / 2 * 16];  // [block][pr][key]: key's dimension pair pr
+        for (int b = bA; b < std::min(bB, bA + kPrefetchBlocks); ++b) {  // see kPrefetchBlocks
+            const uint16_t* p = kc + base(a, b);
+            for (int j = 0; j < 16; ++j)
+                for (int c = 0; c < DC / 32; ++c)
+                    _mm_prefetch(reinterpret_cast<const char*>(p + j * key_stride + 32 * c), _MM_HINT_T1);
+        }
         for (int b = bA; b < bB; b += 2) {
             const int nb = std::min(2, bB - b);
+            for (int k = 0; k < nb; ++k)  // the window moves on with the walk
+                if (b + k + kPrefetchBlocks < bB) {
+                    const uint16_t* p = kc + base(a, b + k + kPrefetchBlocks);
+                    for (int j = 0; j < 16; ++j)
+                        for (int c = 0; c < DC / 32; ++c)
+                            _mm_prefetch(reinterpret_cast<const char*>(p + j * key_stride + 32 * c), _MM_HINT_T1);
+                }
             for (int k = 0; k < nb; ++k) {  // 16 x 16 dword transposes of each block's keys
                 const int64_t kb = base(a, b + k);
                 for (int c = 0; c < DC / 32; ++c) {
@@ -497,8 +517,20 @@ struct Bf16Work {
         const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache);
         const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * DC;
         alignas(64) __m512i vpairs[8 * 2 * NC];
+        for (int b = ik.b_lo; b < std::min(ik.b_hi, ik.b_lo + kPrefetchBlocks); ++b) {  // see kPrefetchBlocks
+            const uint16_t* p = vc + base(a, b);
+            for (int j = 0; j < 16; ++j)
+                for (int c = 0; c < NC; ++c)
+                    _mm_prefetch(reinterpret_cast<const char*>(p + j * key_stride + 32 * c), _MM_HINT_T1);
+        }
         for (int b = ik.b_lo; b < ik.b_hi; ++b) {
             const int64_t vb = base(a, b);
+            if (b + kPrefetchBlocks < ik.b_hi) {  // the window moves on with the walk
+                const uint16_t* p = vc + base(a, b + kPrefetchBlocks);
+                for (int j = 0; j < 16; ++j)
+                    for (int c = 0; c < NC; ++c)
+                        _mm_prefetch(reinterpret_cast<const char*>(p + j * key_stride + 32 * c), _MM_HINT_T1);
+            }
             for (int jp = 0; jp < 8; ++jp)
                 for (int c = 0; c < NC; ++c) {
                     const uint16_t* v = vc + vb + (2 * jp) * key_stride + 32 * c;
