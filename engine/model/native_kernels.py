@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,7 +178,12 @@ def load() -> tuple[Kernels | None, str]:
     try:
         if not target.is_file():
             logger.info("building Brine's CPU kernels with %s into %s", compiler, target)
+            t0 = time.perf_counter()
             _build(compiler, target)
+            logger.info(
+                "built Brine's CPU kernels in %.1f s (once per source, compiler and CPU)",
+                time.perf_counter() - t0,
+            )
         return _bind(target), ""
     except subprocess.CalledProcessError as e:
         return None, f"{compiler} failed: {(e.stderr or '').strip()[-500:]}"
