@@ -154,10 +154,9 @@ def quantize_from_gguf(
     """Replace each linear of `model` whose GGUF parts are all Q4_1 or all Q8_0 by a QuantLinear. Returns
     the output head's QuantLinear for a tied head (the embedding lookup keeps its dense table), else None.
     Layers of other types keep their dense weights (logged)."""
-    import gguf
+    from engine.model.gguf_tensors import read_tensors  # the tensors only: see its docstring
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = read_tensors(gguf_path)
     kept: list[str] = []
 
     def build(names: list[str], module: nn.Linear, heads: dict[str, int]) -> QuantLinear | None:
