@@ -75,12 +75,7 @@ inline float exp_nonpos(float x) {
     const float n = (x * 1.44269504088896341f + magic) - magic;
     float r = std::fma(n, -0.693359375f, x);
     r = std::fma(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = std::fma(p, r, 1.3981999507e-3f);
-    p = std::fma(p, r, 8.3334519073e-3f);
-    p = std::fma(p, r, 4.1665795894e-2f);
-    p = std::fma(p, r, 1.6666665459e-1f);
-    p = std::fma(p, r, 5.0000001201e-1f);
+    const float p = exp_poly(r);
     const float y = std::fma(p * r, r, r) + 1.0f;
     union {
         int32_t i;
@@ -171,6 +166,11 @@ struct ItemKeys {
     }
     int first_key(const Args& a, int t) const { return a.window > 0 ? std::max(0, pos0 + t - a.window + 1) : 0; }
     int end_key(const Args& a, int t) const { return a.causal ? pos0 + t + 1 : ctx; }
+    // The keys of block b (of bs keys) that token t sees: lanes [vlo, vhi) (none when vhi <= vlo).
+    void visible(const Args& a, int t, int b, int bs, int& vlo, int& vhi) const {
+        vhi = std::min(end_key(a, t), bs * b + bs) - bs * b;
+        vlo = std::max(first_key(a, t), bs * b) - bs * b;
+    }
 };
 
 // The generic implementation. BSC, DC: block size and head_dim fixed at compile time (0: taken from the
@@ -239,10 +239,9 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
                 sr[3 * span + j] = s3[j];
             }
         }
-        const int k0 = b * BS;
         for (int t = 0; t < ntok; ++t) {
-            const int vhi = std::min(ik.end_key(a, t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
-            const int vlo = std::max(ik.first_key(a, t), k0) - k0;
+            int vlo, vhi;
+            ik.visible(a, t, b, BS, vlo, vhi);
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
@@ -265,12 +264,11 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
-        const int k0 = b * BS;
         for (int j = 0; j < BS; ++j)
             for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
         for (int t = 0; t < ntok; ++t) {
-            const int vhi = std::min(ik.end_key(a, t), k0 + BS) - k0;  // visible in this block: [vlo, vhi)
-            const int vlo = std::max(ik.first_key(a, t), k0) - k0;
+            int vlo, vhi;
+            ik.visible(a, t, b, BS, vlo, vhi);
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
@@ -343,12 +341,7 @@ inline __m512 exp_nonpos16(__m512 x) {
     const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
     __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
     r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 p = exp_poly16(r);
     const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
@@ -438,11 +431,6 @@ struct Bf16Work {
     }
 
     int64_t base(const Args& a, int b) const { return (static_cast<int64_t>(ik.table[b]) * 16 * a.kv_heads + kvh) * DC; }
-    // The keys of block b that token t sees: lanes [vlo, vhi) (empty when vhi <= vlo).
-    void visible(const Args& a, int t, int b, int& vlo, int& vhi) const {
-        vhi = std::min(ik.end_key(a, t), 16 * b + 16) - 16 * b;
-        vlo = std::max(ik.first_key(a, t), 16 * b) - 16 * b;
-    }
 
     // Pass 1: scores, two blocks at a time, then each row's max per lane, then per row.
     void scores(const Args& a) {
@@ -493,7 +481,7 @@ struct Bf16Work {
         for (int b = bA; b < bB; ++b)
             for (int t = 0; t < ik.ntok; ++t) {
                 int vlo, vhi;
-                visible(a, t, b, vlo, vhi);
+                ik.visible(a, t, b, 16, vlo, vhi);
                 if (vhi <= vlo) continue;
                 const __mmask16 vis = lanes_between(vlo, vhi);
                 for (int g = 0; g < G; ++g) {  // vmaxps: x > m ? x : m, as the generic loop
@@ -554,7 +542,7 @@ struct Bf16Work {
             };
             for (int t = 0; t < ik.ntok; ++t) {
                 int vlo, vhi;
-                visible(a, t, b, vlo, vhi);
+                ik.visible(a, t, b, 16, vlo, vhi);
                 if (vhi <= vlo) continue;
                 for (int g = 0; g < G; ++g) {
                     const int r = t * G + g;
