@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from kernel_helpers import kernels_or_skip
 
 from engine.model.attention import AttentionMetadata
 from engine.model.cpu_linear import PackedLinear, packing_supported, probe_row_multiple
@@ -109,12 +110,8 @@ def _cpu_backend(name: str, dim: int):
     if name == "tiled":
         return TiledBackend(CPU, dim)
     from engine.model.native_attention import NativeBackend
-    from engine.model.native_kernels import load
 
-    kernels, why = load()
-    if kernels is None:
-        pytest.skip(f"Brine's C++ kernels are not available here: {why}")
-    return NativeBackend(kernels)
+    return NativeBackend(kernels_or_skip())
 
 
 # dim 32: the native kernel's generic build (any block size and head_dim); dim 64 with block size 16: its

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import kernels_or_skip
 
-from engine.model import fused_ops, native_kernels
+from engine.model import fused_ops
 from engine.model.invariance import isa_summary
 from engine.model.llama import RMSNorm, silu
 
@@ -16,9 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _needs_kernels():
-    kernels, why = native_kernels.load()
-    if kernels is None or kernels.elementwise is None:
-        pytest.skip(f"no native elementwise kernels here: {why or 'no AVX512'} ({isa_summary()})")
+    kernels_or_skip("elementwise", "the native elementwise kernels (AVX512)")
 
 
 def _norm(dtype: torch.dtype, n: int) -> RMSNorm:

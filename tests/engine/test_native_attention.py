@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from kernel_helpers import kernels_or_skip
 
 from engine.model.attention import AttentionMetadata
 from engine.model.invariance import isa_summary
@@ -22,12 +23,8 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def native():
     from engine.model.native_attention import NativeBackend
-    from engine.model.native_kernels import load
 
-    kernels, why = load()
-    if kernels is None:
-        pytest.skip(f"Brine's C++ kernels are not available here: {why}")
-    return NativeBackend(kernels)
+    return NativeBackend(kernels_or_skip())
 
 
 class Paged:

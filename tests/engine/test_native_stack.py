@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from kernel_helpers import kernels_or_skip
 
 from engine.model import native_kernels
 from engine.model.invariance import isa_summary
@@ -19,12 +20,7 @@ LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_
 
 
 def _kernels() -> native_kernels.Kernels:
-    kernels, why = native_kernels.load()
-    if kernels is None:
-        pytest.skip(f"no native kernels here: {why}")
-    if kernels.decoder_stack is None:
-        pytest.skip(f"this CPU lacks the kernels the stack chains ({isa_summary()})")
-    return kernels
+    return kernels_or_skip("decoder_stack", "the kernels the stack chains")
 
 
 def _quantized_tiny(tiny_model, dtype: torch.dtype, kernels: native_kernels.Kernels):

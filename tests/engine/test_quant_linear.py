@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from kernel_helpers import kernels_or_skip
 
 from engine.model import native_kernels
 from engine.model.invariance import isa_summary
@@ -21,12 +22,7 @@ TYPES = {"Q4_1": GGML_Q4_1, "Q8_0": GGML_Q8_0}
 
 
 def _kernels() -> native_kernels.Kernels:
-    kernels, why = native_kernels.load()
-    if kernels is None:
-        pytest.skip(f"no native kernels here: {why}")
-    if kernels.quant_linear is None:
-        pytest.skip(f"this CPU has no AVX512-BF16 quantized kernel ({isa_summary()})")
-    return kernels
+    return kernels_or_skip("quant_linear", "an AVX512-BF16 quantized kernel")
 
 
 def _weights(kind: str, out_f: int, in_f: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
