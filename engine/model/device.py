@@ -87,21 +87,21 @@ def default_backend(device: torch.device, head_dim: int, batch_invariant: bool =
         return SdpaBackend(device)
     if batch_invariant:
         return cpu_invariant_backend(device, head_dim)
-    return _native_backend() or SdpaBackend(device)
+    return _native_backend()[0] or SdpaBackend(device)
 
 
-def _native_backend() -> AttentionBackend | None:
-    """Brine's C++ attention where the kernels build. On CPU it is also the fastest attention without
-    invariance (it reads the cache in place, and lets the layers run as one native call: native_stack), so
-    `--no-batch-invariant` keeps it too; SDPA only where it does not build."""
+def _native_backend() -> tuple[AttentionBackend | None, str]:
+    """(Brine's C++ attention, "") where the kernels build, else (None, why not). It is invariant, and on CPU
+    also the fastest attention without invariance (it reads the cache in place, and lets the layers run as one
+    native call: native_stack), so `--no-batch-invariant` keeps it too; SDPA only where it does not build."""
     from engine.model.native_kernels import load
 
-    kernels, _ = load()
+    kernels, why = load()
     if kernels is None:
-        return None
+        return None, why
     from engine.model.native_attention import NativeBackend
 
-    return NativeBackend(kernels)
+    return NativeBackend(kernels), ""
 
 
 def cpu_invariant_backend(
@@ -110,13 +110,9 @@ def cpu_invariant_backend(
     """Brine's C++ paged attention (`native_attention`) where it builds, else the tiled torch one. `choice`
     "native" insists (an error where it cannot build), "tiled" never tries."""
     if choice != "tiled":
-        from engine.model.native_kernels import load
-
-        kernels, why = load()
-        if kernels is not None:
-            from engine.model.native_attention import NativeBackend
-
-            return NativeBackend(kernels)
+        native, why = _native_backend()
+        if native is not None:
+            return native
         if choice == "native":
             raise RuntimeError(f"BRINE_ATTENTION_BACKEND=native, but the kernels are not available: {why}")
         _warn_no_native(why)
@@ -160,7 +156,7 @@ def select_backend(
         from engine.model.tiled_attention import TiledBackend
 
         return TiledBackend(device, head_dim)
-    if choice == "auto" and device.type == "cpu" and (native := _native_backend()) is not None:
+    if choice == "auto" and device.type == "cpu" and (native := _native_backend()[0]) is not None:
         return native  # without batch invariance too: see _native_backend
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
         try:

@@ -128,10 +128,11 @@ class NativeStack:
             )
             if not all(isinstance(m, QuantLinear) for m in linears):
                 return None, "dense linears"
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(n.weight.dtype != dtype for n in norms):
-                return None, "norm weights in another dtype"
-        if model.norm.weight.dtype != dtype:
+        norms = [
+            model.norm,
+            *(n for ly in model.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)),
+        ]
+        if any(n.weight.dtype != dtype for n in norms):
             return None, "norm weights in another dtype"
         return cls(model, kernels.decoder_stack), ""
 
