@@ -235,11 +235,15 @@ class AsyncEngine:
         """False while requests hold blocks. Waits for the current step to end; on success the stat loggers
         see the emptied cache at once (the core records it under the lock, never during a step)."""
         with self._core_lock:
-            return self._core.reset_prefix_cache()
+            done = self._core.reset_prefix_cache()
+        if done:
+            self.tokenizer.forget_pieces()  # nor may a prompt's tokenizing tell that it was sent before
+        return done
 
     def forget_prefix_cache(self, owner: Owner) -> int:
         """Forgets one tenant's cached private blocks (`CacheNamespace.owner`), even while requests run;
         returns how many. Public-prefix blocks and other tenants' blocks stay."""
+        self.tokenizer.forget_pieces(owner)
         with self._core_lock:
             return self._core.forget_prefix_cache(owner)
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.split_encode import split, why_not_splittable
+from engine.piece_cache import PieceCache
+from engine.split_encode import split, split_for_reuse, why_not_splittable
+from kv_cache.namespace import CacheNamespace, Owner
 
 logger = logging.getLogger(__name__)
 
@@ -34,24 +37,65 @@ class Tokenizer:
         why_not = why_not_splittable(json.loads(self.backend.to_str()))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.encode_pieces = 0 if why_not else cores
+        # Pieces of earlier prompts, reused where a prompt repeats them (engine.piece_cache); only where pieces
+        # are exact, as above.
+        self.pieces = PieceCache()
         if why_not:
             logger.debug("long prompts are encoded whole: %s", why_not)
 
     def __len__(self) -> int:
         return self.vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        reuse: bool = False,
+        namespace: CacheNamespace | None = None,
+    ) -> list[int]:
         """`add_special_tokens=False` for text rendered by the chat template, which already has them.
 
         Through `encode_batch`, which releases the GIL while the Rust tokenizer works (`encode` holds it): the
         server tokenizes in a worker thread, and a megabyte-long prompt must not stall the event loop and the
         engine thread for a second. A long text is cut into pieces that encode to exactly its tokens
         (engine/split_encode.py) and encoded on the backend's threads; the pieces get no special tokens, which
-        is all the post-processor would add (split_encode checks that it adds none)."""
-        pieces = split(text, self.encode_pieces) if self.encode_pieces else [text]
+        is all the post-processor would add (split_encode checks that it adds none).
+
+        `reuse`: the pieces of a prompt (a generation request's, in `namespace`) are looked up among, and kept
+        with, the pieces of earlier prompts in the same namespace (engine.piece_cache), so a repeated document
+        is tokenized once."""
+        if not self.encode_pieces:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if reuse:
+            pieces = split_for_reuse(text)
+            if len(pieces) > 1:
+                return self._encode_reusing(pieces, namespace)
+        pieces = split(text, self.encode_pieces)
         if len(pieces) == 1:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return [i for enc in self.backend.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
+
+    def _encode_reusing(self, pieces: list[str], namespace: CacheNamespace | None) -> list[int]:
+        found = self.pieces.lookup(namespace, pieces)
+        missing = [p for p, ids in zip(pieces, found, strict=True) if ids is None]
+        if missing:  # one batch, on the backend's threads
+            fresh = [
+                array("i", enc.ids) for enc in self.backend.encode_batch(missing, add_special_tokens=False)
+            ]
+            self.pieces.store(namespace, missing, fresh)
+            new = iter(fresh)
+            found = [ids if ids is not None else next(new) for ids in found]
+        out: list[int] = []
+        for ids in found:
+            assert ids is not None
+            out.extend(ids)
+        return out
+
+    def forget_pieces(self, owner: Owner | None = None) -> None:
+        """Forgets the reused pieces of every namespace (None), or of those `owner` owns: a prefix cache reset
+        forgets what could time a repeat of its prompts."""
+        self.pieces.forget(owner)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

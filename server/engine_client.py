@@ -23,7 +23,14 @@ class TokenizerLike(Protocol):
     # the model's embedding lookup (an index error there would kill the engine).
     vocab_size: int
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        reuse: bool = False,
+        namespace: CacheNamespace | None = None,
+    ) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 

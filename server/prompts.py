@@ -15,6 +15,7 @@ from typing import Any, ParamSpec, TypeVar
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from kv_cache.namespace import CacheNamespace
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
 from server.protocol import ChatMessage
@@ -77,11 +78,21 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def encode(
-    tokenizer: TokenizerLike, text: str, *, add_special_tokens: bool, param: str = "prompt"
+    tokenizer: TokenizerLike,
+    text: str,
+    *,
+    add_special_tokens: bool,
+    param: str = "prompt",
+    reuse: bool = False,
+    namespace: CacheNamespace | None = None,
 ) -> list[int]:
-    """Token ids of `text`; text the tokenizer refuses is the client's to fix: a 400 naming `param`."""
+    """Token ids of `text`; text the tokenizer refuses is the client's to fix: a 400 naming `param`.
+    `reuse`: a generation request's prompt, whose pieces the tokenizer may reuse from and keep for earlier
+    prompts of the same cache `namespace` (engine.piece_cache)."""
     try:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(
+            tokenizer.encode(text, add_special_tokens=add_special_tokens, reuse=reuse, namespace=namespace)
+        )
     except Exception as exc:
         logger.info("the tokenizer refused the text of %s: %s", param, type(exc).__name__)
         raise bad_request(f"{param} contains text that cannot be tokenized.", param, "invalid_text") from None
@@ -95,9 +106,11 @@ def render_chat(
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
     tools: list[Any] | None = None,
+    reuse: bool = False,
+    namespace: CacheNamespace | None = None,
 ) -> list[int]:
     """The prompt of a chat: `messages` (and `tools`, for templates that render them) through the model's
-    template, then tokenized."""
+    template, then tokenized (`reuse`, `namespace`: as `encode`'s)."""
     kwargs = dict(chat_template_kwargs or {})
     if "chat_template" in kwargs:
         # The template comes from the model. A request's own template would be an arbitrary Jinja program: even
@@ -128,13 +141,19 @@ def render_chat(
     if not isinstance(text, str):
         raise bad_request("The chat template did not produce text.", "messages")
     # The rendered template already contains the special tokens it wants (BOS included, if any).
-    return encode(tokenizer, text, add_special_tokens=False, param="messages")
+    return encode(
+        tokenizer, text, add_special_tokens=False, param="messages", reuse=reuse, namespace=namespace
+    )
 
 
 def completion_prompts(
-    tokenizer: TokenizerLike, prompt: str | list[str] | list[int] | list[list[int]] | None, vocab: int | None
+    tokenizer: TokenizerLike,
+    prompt: str | list[str] | list[int] | list[list[int]] | None,
+    vocab: int | None,
+    namespace: CacheNamespace | None = None,
 ) -> list[list[int]]:
-    """One list of token ids per prompt; text prompts are encoded with the tokenizer's special tokens."""
+    """One list of token ids per prompt; text prompts are encoded with the tokenizer's special tokens, reusing
+    the pieces of earlier prompts of the request's cache `namespace` (see `encode`)."""
     if prompt is None:
         raise bad_request("prompt is required.", "prompt")
     if isinstance(prompt, str):
@@ -148,7 +167,11 @@ def completion_prompts(
     out: list[list[int]] = []
     for item in raw:
         if isinstance(item, str):
-            out.append(encode(tokenizer, item, add_special_tokens=True, param="prompt"))
+            out.append(
+                encode(
+                    tokenizer, item, add_special_tokens=True, param="prompt", reuse=True, namespace=namespace
+                )
+            )
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", "prompt")

@@ -65,6 +65,8 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
         continue_final_message=bool(req.continue_final_message),
         chat_template_kwargs=req.chat_template_kwargs,
         tools=req.tools if req.tool_choice != "none" else None,
+        reuse=True,
+        namespace=namespace,
     )
     params = sampling_params(
         req,

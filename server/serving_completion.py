@@ -38,7 +38,7 @@ async def prepare_completion(engine: EngineClient, req: CompletionRequest, reque
     namespace = check_generation(engine, req, request, check_completion_features)
     constraint = structured_spec(req)
     vocab = engine.tokenizer.vocab_size
-    prompts = await off_loop(completion_prompts, engine.tokenizer, req.prompt, vocab)
+    prompts = await off_loop(completion_prompts, engine.tokenizer, req.prompt, vocab, namespace)
     # The longest prompt decides the context check; each prompt gets the same max_tokens.
     params = sampling_params(
         req,

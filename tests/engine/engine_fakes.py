@@ -101,8 +101,14 @@ class ByteTokenizer:
 
     eos_token_ids = frozenset({0})
 
+    def __init__(self) -> None:
+        self.forgotten: list[object] = []  # forget_pieces' owners, in order
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
+
+    def forget_pieces(self, owner: object = None) -> None:
+        self.forgotten.append(owner)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [t for t in token_ids if not (skip_special_tokens and t == 0)]

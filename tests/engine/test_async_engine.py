@@ -197,6 +197,10 @@ async def test_reset_prefix_cache_and_cache_salt(engine):
     assert salted[-1].num_cached_tokens == 0  # another tenant's blocks are invisible
     again = [o async for o in engine.generate([7] * 20, params)]
     assert again[-1].num_cached_tokens == 19  # a full block, then 3 of the 4 its last block held
+    assert engine.tokenizer.forgotten == []
     assert engine.reset_prefix_cache()
     fresh = [o async for o in engine.generate([7] * 20, params)]
     assert fresh[-1].num_cached_tokens == 0
+    # The tokenizer's reused prompt pieces go with the blocks: all of them, or the one tenant's.
+    engine.forget_prefix_cache(("tenant", "t1"))
+    assert engine.tokenizer.forgotten == [None, ("tenant", "t1")]

@@ -20,7 +20,7 @@ class FakeTokenizer:
     def __init__(self) -> None:
         self.template_calls: list[dict[str, Any]] = []
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, **_reuse: object) -> list[int]:
         ids: list[int] = []
         i = 0
         while i < len(text):

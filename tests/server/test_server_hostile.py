@@ -138,7 +138,7 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_with_one_log_line(
 def test_text_the_tokenizer_refuses_is_a_400_naming_the_field(
     client: TestClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(text: str, add_special_tokens: bool = True, **_reuse: object) -> list[int]:
         raise RuntimeError("the tokenizer broke on " + text)
 
     monkeypatch.setattr(engine.tokenizer, "encode", encode)
