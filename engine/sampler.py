@@ -53,6 +53,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
     return LogprobsOut(chosen, top_ids, top_vals)
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (rows of non-negative weights), u [N, 1] in [0, 1): per row, the first token whose
+    cumulative weight exceeds u x the row's total; never a token of weight 0."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, u * total, right=True)
+    # u x total can round up to the total itself: then the last token that has any weight.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(drawn, last).squeeze(1)
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64, one per sampling request, in order
@@ -180,18 +191,20 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
             logits = self._top_k_top_p(logits, cols[:, 2:3], cols[:, 3:4])
         probs = logits.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each row own its noise.
-        # E = -log(U), U uniform in [tiny, 1): torch's exponential_ took ~1 ms for a 49,152-token row on CPU,
-        # uniform_ and a log ~0.2 ms.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform u per row; the token is the first whose cumulative probability exceeds
+        # u x the row's total. A token of probability 0 adds nothing to the sum, so it is never the first to
+        # exceed it. One number per row, where an exponential race (argmax p / E, E ~ Exp(1) per token) drew
+        # 49,152 per row: 0.2 ms a row on a 2-core CPU, 17% of a 16-row decode step; the cumulative sum costs
+        # ~0.025 ms. Row by row (torch sums each row on its own, in order), so a row's token depends only on
+        # its own logits and noise, whatever the batch.
+        u = torch.empty(len(params), 1, dtype=probs.dtype, device=probs.device)
         seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None]
         if len(seeded) < len(params):
-            noise.uniform_()
+            u.uniform_()
         for i, seed in seeded:
             self._generator.manual_seed(mix_seed(seed, reqs[i].num_output_tokens))
-            noise[i].uniform_(generator=self._generator)
-        noise = noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_()
-        return (probs / noise).argmax(dim=-1)
+            u[i].uniform_(generator=self._generator)
+        return inverse_cdf(probs, u)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.outputs import ScheduledRequest
-from engine.sampler import Sampler, mix_seed
+from engine.sampler import Sampler, inverse_cdf, mix_seed
 from engine.sampling_params import SamplingParams
 
 V = 32
@@ -84,6 +84,17 @@ def test_same_seed_same_tokens_regardless_of_batch():
     assert _seeded_run(seed=42, position=1, batch_size=2) == alone
     assert _seeded_run(seed=43, position=0, batch_size=1) != alone
     assert len(set(alone)) > 1  # a real draw, not a constant
+
+
+def test_the_draw_never_picks_a_token_without_probability():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.0, 0.0]])
+    below_one = 1.0 - 2.0**-24  # the largest float32 uniform_ gives
+    for u, want in ((0.0, [1, 2]), (0.49, [1, 2]), (0.5, [4, 2]), (below_one, [4, 2]), (1.0, [4, 2])):
+        got = inverse_cdf(probs, torch.full((2, 1), u))
+        assert got.tolist() == want, u  # u = 1 stands for u x total rounding up to the total
+    # Every cut point of a fine grid lands on a token that has probability.
+    many = inverse_cdf(probs[:1].expand(1001, 6), torch.linspace(0, below_one, 1001)[:, None])
+    assert set(many.tolist()) == {1, 4} and (many == 1).sum().item() in (500, 501)
 
 
 def test_mix_seed_spreads_nearby_inputs():
