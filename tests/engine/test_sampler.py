@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from engine import sampler as sampler_module
 from engine.outputs import ScheduledRequest
-from engine.sampler import Sampler, inverse_cdf, mix_seed
+from engine.sampler import Sampler, inverse_cdf, mix_seed, top_k_top_p
 from engine.sampling_params import SamplingParams
 
 V = 32
@@ -212,3 +213,54 @@ def test_logprobs_are_raw_and_sorted():
     top_vals, top_ids = raw[0].topk(3)
     assert out.logprobs.top_ids[0].tolist() == top_ids.tolist()
     torch.testing.assert_close(out.logprobs.top_vals[0], top_vals)
+
+
+def _kept_by_sorting(row: torch.Tensor, k: int, p: float) -> set[int]:
+    """The reference: the whole row sorted, k-th value and top-p's last kept probability as thresholds."""
+    vocab = row.numel()
+    if k < vocab:
+        row = row.masked_fill(row < row.sort(descending=True).values[k - 1], float("-inf"))
+    if p < 1.0:
+        probs = row.softmax(-1)
+        ranked = probs.sort(descending=True).values
+        before = ranked.cumsum(-1) - ranked
+        last = next((j for j in range(vocab) if before[j] >= p), vocab) - 1
+        row = row.masked_fill(probs < ranked[last], float("-inf"))
+    return set(torch.isfinite(row).nonzero().view(-1).tolist())
+
+
+def _cut(logits: torch.Tensor, ks: list[int], ps: list[float]) -> list[set[int]]:
+    out = top_k_top_p(
+        logits, ks, ps, torch.tensor(ks, dtype=torch.float32)[:, None], torch.tensor(ps)[:, None]
+    )
+    return [set(torch.isfinite(r).nonzero().view(-1).tolist()) for r in out]
+
+
+def test_top_k_and_top_p_cut_from_candidates_as_a_whole_sort_would(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)  # the cut from candidates, and past them
+    vocab, g = 3000, torch.Generator().manual_seed(5)
+    # Peaked rows (top-p reached within 64 tokens), flat ones (not: the whole row is sorted), and rows rounded
+    # to bfloat16, whose logits tie often.
+    logits = torch.cat([
+        torch.randn(4, vocab, generator=g) * 6,
+        torch.randn(4, vocab, generator=g) * 0.2,
+        (torch.randn(4, vocab, generator=g) * 3).to(torch.bfloat16).float(),
+    ])  # fmt: skip
+    ks = [vocab, 40, vocab, 700, vocab, 5, 2000, vocab, 40, vocab, 10, vocab]
+    ps = [0.9, 2.0, 0.5, 0.95, 0.9, 2.0, 0.3, 0.99, 0.8, 0.7, 2.0, 2.0]
+    batched = _cut(logits, ks, ps)
+    for i in range(len(ks)):
+        want = _kept_by_sorting(logits[i], ks[i], ps[i])
+        assert batched[i] == want, i
+        # A row's cut is its own: alone, or beside rows that make the candidates wider.
+        assert _cut(logits[i : i + 1], ks[i : i + 1], ps[i : i + 1])[0] == want, i
+        assert _cut(logits[[i, 6]], [ks[i], 2000], [ps[i], 0.3])[0] == want, i
+    assert len(batched[4]) > 64 and len(batched[11]) == vocab  # the flat row needed more than the candidates
+
+
+def test_tied_logits_are_kept_or_dropped_together():
+    row = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0]])
+    assert _cut(row, [2], [2.0]) == [{0, 1, 2, 3}]  # the 2nd largest ties with two more: all stay
+    probs = row.softmax(-1)[0]
+    p = (probs[0] + probs[1]).item() - 1e-4  # reached within the tie: the tie still stays whole
+    assert _cut(row, [6], [p]) == [{0, 1, 2, 3}]
