@@ -1,6 +1,7 @@
 """Decode throughput at several concurrency levels, side by side in one run (these machines are noisy).
 
-For each level c, c requests with distinct prompts generate `--max-tokens` tokens each (ignore_eos, greedy).
+For each level c, c requests with distinct prompts generate `--max-tokens` tokens each (ignore_eos; greedy
+unless `--temperature` / `--top-p` / `--seeded` ask for sampling, whose cost the greedy figures leave out).
 Decode throughput counts the tokens generated after every request has its first token (so prefill is left
 out) over the time from then to the last token. The ratio to single-stream is what batching buys.
 
@@ -13,6 +14,7 @@ rounds and the paired per-round ratio, with its spread (noise on a shared machin
     git archive HEAD~1 | tar -x -C /tmp/before
     .venv/bin/python benchmarks/decode_bench.py --baseline /tmp/before --rounds 5
     .venv/bin/python benchmarks/decode_bench.py --json-schema --concurrency 1,16   # constrained vs free
+    .venv/bin/python benchmarks/decode_bench.py --temperature 0.8 --top-p 0.9 --baseline /tmp/before
 
 `--json-schema` runs every level twice in one engine, free and with every request constrained to a JSON
 schema (an object holding one string of at least 4096 characters, so the grammar stays live for all
@@ -74,15 +76,25 @@ async def run_level(
     prompt_len: int,
     max_tokens: int,
     structured: StructuredOutputSpec | None = None,
+    sampling: dict | None = None,
 ) -> LevelResult:
     # `structured` only when set: a --baseline tree may predate the field.
     extra = {} if structured is None else {"structured": structured}
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+    sampling = sampling or {"temperature": 0.0}
+    seeded = sampling.pop("seeded", False)
     vocab = 1000
     # Distinct prompts (first token differs) so that the prefix cache does not share their blocks.
     prompts = [[(i * 7919 + j * 31) % vocab + 100 for j in range(prompt_len)] for i in range(concurrency)]
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, seed=i if seeded else None, **sampling, **extra
+        )
+        for i in range(concurrency)
+    ]
     start = time.perf_counter()
-    all_times = await asyncio.gather(*(one_request(engine, p, params) for p in prompts))
+    all_times = await asyncio.gather(
+        *(one_request(engine, p, q) for p, q in zip(prompts, params, strict=True))
+    )
     decode_start = max(t[0] for t in all_times)
     end = max(t[-1] for t in all_times)
     decode_tokens = sum(1 for times in all_times for t in times if t > decode_start)
@@ -115,8 +127,11 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         if args.json_schema:
             return await _constrained_vs_free(engine, args, levels)
         results = []
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seeded": args.seeded}
         for level in levels:
-            results.append(await run_level(engine, level, args.prompt_len, args.max_tokens))
+            results.append(
+                await run_level(engine, level, args.prompt_len, args.max_tokens, None, dict(sampling))
+            )
             assert engine.num_used_blocks() == 0
         return results
     finally:
@@ -201,6 +216,9 @@ def main() -> None:
         default="auto",
         help="none: the GGUF's weights dequantized to --dtype, as before the quantized kernel",
     )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seeded", action="store_true", help="every request with its own seed")
     parser.add_argument("--baseline", type=Path, help="another checkout to compare against, side by side")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds with --baseline")
     parser.add_argument(
