@@ -207,9 +207,10 @@ class Sampler:
         return inverse_cdf(probs, u)
 
 
-# Candidates a top-p row is first cut from: the most likely tokens, enough to reach top_p in every row tried
-# with a real model's distribution at temperature <= 1. A row they do not cover is cut from its whole sorted
-# row instead, with the same arithmetic, so the cut never depends on which way it was found.
+# Candidates a top-p row is first cut from: its most likely tokens. A row they do not cover is cut from 16x as
+# many, then from its whole sorted row, with the same arithmetic, so the cut never depends on which way it was
+# found. With the default model, 16 rows at top_p 0.9 took 3.4 ms a step at temperature 0.8 (most covered), 4.4
+# at 1.0 (some need the 16x), 28 at 1.5 (most sorted whole, as every row was before: 25 at 0.8).
 TOP_P_CANDIDATES = 256
 
 
