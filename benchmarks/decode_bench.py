@@ -1,7 +1,8 @@
 """Decode throughput at several concurrency levels, side by side in one run (these machines are noisy).
 
 For each level c, c requests with distinct prompts generate `--max-tokens` tokens each (ignore_eos; greedy
-unless `--temperature` / `--top-p` / `--seeded` ask for sampling, whose cost the greedy figures leave out).
+unless `--temperature` / `--top-p` / `--repetition-penalty` / `--seeded` ask for sampling, whose cost the
+greedy figures leave out).
 Decode throughput counts the tokens generated after every request has its first token (so prefill is left
 out) over the time from then to the last token. The ratio to single-stream is what batching buys.
 
@@ -127,7 +128,12 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         if args.json_schema:
             return await _constrained_vs_free(engine, args, levels)
         results = []
-        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seeded": args.seeded}
+        sampling = {
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "repetition_penalty": args.repetition_penalty,
+            "seeded": args.seeded,
+        }
         for level in levels:
             results.append(
                 await run_level(engine, level, args.prompt_len, args.max_tokens, None, dict(sampling))
@@ -218,6 +224,7 @@ def main() -> None:
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seeded", action="store_true", help="every request with its own seed")
     parser.add_argument("--baseline", type=Path, help="another checkout to compare against, side by side")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds with --baseline")

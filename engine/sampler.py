@@ -64,6 +64,38 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(drawn, last).squeeze(1)
 
 
+def _ids(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _penalize_touched(
+    logits: torch.Tensor, rows_idx: torch.Tensor, pairs: torch.Tensor, n_out: int, coef: torch.Tensor
+) -> torch.Tensor:
+    """`Sampler._apply_penalties` on the CPU, on the logits it changes only: each (row, token) that was output
+    (the first n_out of `pairs`, [2, n]: row in the penalised subset, token) or seen, once, with the same
+    element-wise arithmetic as the whole-row version, so the same bits. The whole-row version builds five
+    [rows, vocab] tensors; with this (and each row's tokens as one tensor), 16 streams with a repetition penalty
+    over 1,000-token prompts decode 1.05x faster (decode_bench --repetition-penalty 1.1 --baseline). On CUDA
+    the whole-row version stays: the unique below would cost a device sync."""
+    vocab = logits.shape[1]
+    flat = rows_idx[pairs[0]] * vocab + pairs[1]  # into the whole batch's logits, flattened
+    touched, which = torch.unique(flat, return_inverse=True)
+    counts = torch.zeros(len(touched), dtype=logits.dtype).index_add_(
+        0, which[:n_out], torch.ones(n_out, dtype=logits.dtype)
+    )
+    seen = torch.zeros(len(touched), dtype=torch.bool).index_fill_(0, which[n_out:], True)
+    # the coefficients of each touched logit's row: rows_idx[j] is the batch row of subset row j
+    subset_of_row = torch.empty(logits.shape[0], dtype=torch.long)
+    subset_of_row[rows_idx] = torch.arange(len(rows_idx))
+    c = coef[subset_of_row[touched // vocab]]
+    x = logits.view(-1)[touched]
+    rep = c[:, 0]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - c[:, 1] * counts - c[:, 2] * (counts > 0).float()
+    logits.view(-1)[touched] = x
+    return logits
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64, one per sampling request, in order
@@ -123,25 +155,30 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         rows = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
-        out_r, out_t, seen_r, seen_t = [], [], [], []
-        for j, i in enumerate(rows):
-            r = reqs[i]
-            output = r.all_token_ids[r.num_prompt_tokens :]
-            out_r += [j] * len(output)
-            out_t += output
-            if r.sampling_params.repetition_penalty != 1.0:
-                seen_r += [j] * len(r.all_token_ids)
-                seen_t += r.all_token_ids
+        if not rows:
+            return logits
+        # Each row's tokens as a tensor of its own (a whole context through Python lists cost ~3.7 ms a step
+        # for 16 rows of 2,000 tokens): the output tokens, and for a repetition penalty every token.
+        outs = [_ids(reqs[i].all_token_ids[reqs[i].num_prompt_tokens :]) for i in rows]
+        seens = [
+            _ids(reqs[i].all_token_ids if reqs[i].sampling_params.repetition_penalty != 1.0 else [])
+            for i in rows
+        ]
         p = [reqs[i].sampling_params for i in rows]
         host = torch.tensor(
             [[q.repetition_penalty, q.frequency_penalty, q.presence_penalty] for q in p], dtype=torch.float32
         )
         coef = to_device(host, logits.device)
         # One copy: (row in the penalised subset, token) pairs, then the subset's rows of the batch.
-        dev = index_tensor(out_r + seen_r + out_t + seen_t + rows, logits.device)
+        subset = torch.arange(len(rows))
+        out_r = subset.repeat_interleave(_ids([len(t) for t in outs]))
+        seen_r = subset.repeat_interleave(_ids([len(t) for t in seens]))
+        dev = to_device(torch.cat([out_r, seen_r, *outs, *seens, _ids(rows)]), logits.device)
         n_out, n_pairs = len(out_r), len(out_r) + len(seen_r)
         idx = dev[: 2 * n_pairs].view(2, n_pairs)
         rows_idx = dev[2 * n_pairs :]
+        if logits.device.type == "cpu":
+            return _penalize_touched(logits, rows_idx, idx, n_out, coef)
         sub = logits.index_select(0, rows_idx)  # [P, vocab]
         # Flat (row * vocab + token) indices with index_add_ / index_fill_: CUDA's accumulating index_put_
         # range-checks its indices with two .item() calls, i.e. two syncs.

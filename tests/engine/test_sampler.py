@@ -166,6 +166,45 @@ def test_penalties_change_logits_as_specified():
     torch.testing.assert_close(out[0], torch.tensor(want))
 
 
+def test_penalties_touch_only_seen_tokens_with_the_whole_row_arithmetic():
+    # The CPU path changes only the (row, token) logits a penalty concerns; every value must have the bits
+    # the whole-row formula gives (the CUDA path's), and the rows without a penalty stay as they were.
+    g = torch.Generator().manual_seed(9)
+    vocab, rows = 200, 6
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[2, 5] = float("-inf")
+    settings = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(temperature=0.7),  # no penalty
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(frequency_penalty=-0.5, presence_penalty=1.5),
+        SamplingParams(repetition_penalty=1.1, presence_penalty=0.3),
+        SamplingParams(temperature=0.0),
+    ]
+    reqs = []
+    for i, params in enumerate(settings):
+        tokens = torch.randint(0, vocab, (40,), generator=g).tolist() + [5, 5, 7]
+        reqs.append(_req(params, tokens=tokens, num_prompt=25, rid=str(i)))
+    got = Sampler(torch.device("cpu"), vocab)._apply_penalties(logits.clone(), reqs)
+    want = logits.clone()
+    for i, r in enumerate(reqs):
+        q = r.sampling_params
+        counts, seen = torch.zeros(vocab), torch.zeros(vocab, dtype=torch.bool)
+        for t in r.all_token_ids[r.num_prompt_tokens :]:
+            counts[t] += 1
+        if q.repetition_penalty != 1.0:
+            seen[r.all_token_ids] = True
+        rep = torch.tensor(q.repetition_penalty)
+        row = torch.where(seen, torch.where(want[i] > 0, want[i] / rep, want[i] * rep), want[i])
+        want[i] = (
+            row
+            - torch.tensor(q.frequency_penalty) * counts
+            - torch.tensor(q.presence_penalty) * (counts > 0).float()
+        )
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[5], logits[5])
+
+
 def test_frequency_and_presence_ignore_prompt_tokens():
     logits = torch.zeros(1, 4)
     req = _req(SamplingParams(frequency_penalty=1.0, presence_penalty=1.0), tokens=[1, 1, 1, 2], num_prompt=3)
