@@ -9,18 +9,21 @@ longer texts gain more (see TARGET_PIECE_CHARS).
 When the pieces' tokens are the whole's: the cut is at an ASCII space between two ASCII letters ("...a| b..."),
 and the tokenizer is one whose encoding is, per pre-token, independent of its neighbours (checked from its
 JSON by `why_not_splittable`):
-- no normalizer, a byte-level pre-tokenizer with the GPT-2 regex
-  (`'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`) and no prefix space, a
-  BPE model without dropout, no truncation or padding, and a post-processor that adds no token to a single
-  sequence;
+- a pre-tokenizer that is either byte-level with the GPT-2 regex
+  (`'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`) and no prefix space, or
+  a Split on Llama 3's or Qwen2's regex (SPLIT_REGEXES) then byte-level without a regex or prefix space;
+- no normalizer, or NFC (Qwen2's): a space between ASCII letters is a boundary NFC never composes across;
+- a BPE model without dropout, no truncation or padding, and a post-processor that adds no token to a single
+  sequence but, at most, special tokens before it (Llama 3's BOS: `special_prefix`, put back once);
 - added (special) tokens that hold no whitespace and strip none, so a cut at a space is never inside one, and
   the text between them is pre-tokenized piece by piece anyway.
-Under that regex, a letter and the space after it are never in one match (no alternative matches a letter
-followed by a space, and `(?!\\S)` looks only at whitespace), so every match left of the cut ends at the
-letter in both the whole and the left piece, and matching restarts at the space in both; the regex has no
-lookbehind. ASCII letters only: they are `\\p{L}` in every Unicode version, so Python and Oniguruma agree.
-BPE then encodes each pre-token on its own. tests/engine/test_split_encode.py checks the pieces against the
-whole on random and adversarial texts with the default model's tokenizer.
+Under each of those regexes, a letter and the space after it are never in one match (no alternative matches a
+letter followed by a space: a space only ever opens a match, and `(?!\\S)` looks only at whitespace), so every
+match left of the cut ends at the letter in both the whole and the left piece, and matching restarts at the
+space in both; the regexes have no lookbehind. ASCII letters only: they are `\\p{L}` in every Unicode version,
+so Python and Oniguruma agree. BPE then encodes each pre-token on its own. tests/engine/test_split_encode.py
+checks the pieces against the whole on random and adversarial texts with the default model's tokenizer and
+with Llama 3- and Qwen2-style ones built in the test.
 """
 
 from __future__ import annotations
@@ -37,25 +40,30 @@ TARGET_PIECE_CHARS = 32768
 # one batch, cost about what it costs in one piece per core (1.3 against 1.2 ms).
 REUSE_PIECE_CHARS = 2048
 _CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+_LETTERS_THEN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_THEN = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# The Split pre-tokenizer regexes of Llama 3 (digits in threes) and Qwen2 (one digit at a time), as their
+# tokenizer.json files spell them.
+SPLIT_REGEXES = frozenset({_LETTERS_THEN + r"\p{N}{1,3}" + _THEN, _LETTERS_THEN + r"\p{N}" + _THEN})
 
 
 def why_not_splittable(config: dict[str, Any]) -> str | None:
     """None when a tokenizer with this `tokenizer.json` content may be cut as the module says; else why not."""
-    if config.get("normalizer") is not None:
-        return "it has a normalizer"
+    normalizer = config.get("normalizer")
+    if normalizer is not None and normalizer != {"type": "NFC"}:
+        return "it has a normalizer other than NFC"
     if config.get("truncation") is not None or config.get("padding") is not None:
         return "it truncates or pads"
-    pre = config.get("pre_tokenizer") or {}
-    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space"):
-        return "its pre-tokenizer is not byte-level with the GPT-2 regex and no prefix space"
+    if not _splittable_pre_tokenizer(config.get("pre_tokenizer") or {}):
+        return (
+            "its pre-tokenizer is neither byte-level with the GPT-2 regex nor a Split on Llama 3's or Qwen2's "
+            "regex then byte-level, with no prefix space"
+        )
     model = config.get("model") or {}
     if model.get("type") != "BPE" or model.get("dropout") not in (None, 0, 0.0):
         return "its model is not a BPE without dropout"
-    post = config.get("post_processor")
-    if post is not None and post.get("type") != "ByteLevel":
-        single = post.get("single") if post.get("type") == "TemplateProcessing" else None
-        if not single or any("Sequence" not in item for item in single):
-            return "its post-processor may add tokens"
+    if _template(config) is None:
+        return "its post-processor may add tokens other than special tokens before the text"
     for tok in config.get("added_tokens") or []:
         content = tok.get("content", "")
         if tok.get("lstrip") or tok.get("rstrip") or any(ch.isspace() for ch in content):
@@ -77,6 +85,61 @@ def cut_points(text: str, pieces: int) -> list[int]:
             break
         cuts.append(m.start())
     return cuts
+
+
+def _splittable_pre_tokenizer(pre: dict[str, Any]) -> bool:
+    if pre.get("type") == "ByteLevel":
+        return bool(pre.get("use_regex", True)) and not pre.get("add_prefix_space")
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if not steps or len(steps) != 2:
+        return False
+    split, byte_level = steps
+    return (
+        split.get("type") == "Split"
+        and (split.get("pattern") or {}).get("Regex") in SPLIT_REGEXES
+        and split.get("behavior") == "Isolated"
+        and not split.get("invert")
+        and byte_level.get("type") == "ByteLevel"
+        and not byte_level.get("use_regex", True)
+        and not byte_level.get("add_prefix_space")
+    )
+
+
+def _template(config: dict[str, Any]) -> list[int] | None:
+    """The ids the post-processor puts before a single sequence ([] for none), or None where it may add any
+    other token (after the text, or one it does not name). ByteLevel post-processing only trims offsets."""
+    post = config.get("post_processor")
+    steps = [] if post is None else post.get("processors", []) if post.get("type") == "Sequence" else [post]
+    prefix: list[int] = []
+    for step in steps:
+        if step.get("type") == "ByteLevel":
+            continue
+        if step.get("type") != "TemplateProcessing" or prefix:
+            return None
+        single = step.get("single") or []
+        kinds = [
+            "Sequence" if "Sequence" in item else "SpecialToken" if "SpecialToken" in item else "?"
+            for item in single
+        ]
+        if kinds.count("Sequence") != 1 or kinds[-1] != "Sequence" or "?" in kinds:
+            return None
+        for item in single[:-1]:
+            special = (step.get("special_tokens") or {}).get(item["SpecialToken"].get("id"), {})
+            ids = special.get("ids")
+            if not isinstance(ids, list) or not ids:
+                return None
+            prefix += [int(i) for i in ids]
+    return prefix
+
+
+def special_prefix(config: dict[str, Any]) -> list[int]:
+    """The special token ids a splittable tokenizer's post-processor puts before a single sequence (Llama 3's
+    BOS), which pieces encoded without special tokens leave out: the whole's tokens are these, then the
+    pieces'."""
+    prefix = _template(config)
+    if prefix is None:
+        raise ValueError("not a splittable tokenizer")
+    return prefix
 
 
 def reuse_cut_points(text: str) -> list[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.piece_cache import PieceCache
-from engine.split_encode import split, split_for_reuse, why_not_splittable
+from engine.split_encode import special_prefix, split, split_for_reuse, why_not_splittable
 from kv_cache.namespace import CacheNamespace, Owner
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,13 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(self._find_eos_ids())
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
         # A long text is encoded in pieces where that gives exactly its tokens (split_encode); 0: never.
-        why_not = why_not_splittable(json.loads(self.backend.to_str()))
+        config = json.loads(self.backend.to_str())
+        why_not = why_not_splittable(config)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.encode_pieces = 0 if why_not else cores
+        # What the post-processor puts before a whole text (Llama 3's BOS) and pieces encoded without special
+        # tokens leave out.
+        self.special_prefix: list[int] = [] if why_not else special_prefix(config)
         # Pieces of earlier prompts, reused where a prompt repeats them (engine.piece_cache); only where pieces
         # are exact, as above.
         self.pieces = PieceCache()
@@ -60,21 +64,25 @@ class Tokenizer:
         server tokenizes in a worker thread, and a megabyte-long prompt must not stall the event loop and the
         engine thread for a second. A long text is cut into pieces that encode to exactly its tokens
         (engine/split_encode.py) and encoded on the backend's threads; the pieces get no special tokens, which
-        is all the post-processor would add (split_encode checks that it adds none).
+        is all the post-processor would add but the special tokens before the text (`special_prefix`), which
+        are put back once (split_encode checks that it adds nothing else).
 
         `reuse`: the pieces of a prompt (a generation request's, in `namespace`) are looked up among, and kept
         with, the pieces of earlier prompts in the same namespace (engine.piece_cache), so a repeated document
         is tokenized once."""
         if not self.encode_pieces:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        prefix = self.special_prefix if add_special_tokens else []
         if reuse:
             pieces = split_for_reuse(text)
             if len(pieces) > 1:
-                return self._encode_reusing(pieces, namespace)
+                return prefix + self._encode_reusing(pieces, namespace)
         pieces = split(text, self.encode_pieces)
         if len(pieces) == 1:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return [i for enc in self.backend.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
+        return prefix + [
+            i for enc in self.backend.encode_batch(pieces, add_special_tokens=False) for i in enc.ids
+        ]
 
     def _encode_reusing(self, pieces: list[str], namespace: CacheNamespace | None) -> list[int]:
         found = self.pieces.lookup(namespace, pieces)

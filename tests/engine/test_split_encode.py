@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import json
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import split_encode
-from engine.split_encode import cut_points, split, why_not_splittable
+from engine.split_encode import SPLIT_REGEXES, cut_points, special_prefix, split, why_not_splittable
 from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -98,18 +99,115 @@ def test_tokenizers_that_may_not_be_split_are_named(tok: Tokenizer) -> None:
         node[path[-1]] = value
         return config
 
-    bos = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                                                     {"Sequence": {"id": "A", "type_id": 0}}]}  # fmt: skip
+    eos = {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                                                     {"SpecialToken": {"id": "<s>", "type_id": 0}}],
+           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}  # fmt: skip
+    unnamed = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                         {"Sequence": {"id": "A", "type_id": 0}}]}  # fmt: skip
+    split = {
+        "type": "Split",
+        "pattern": {"Regex": sorted(SPLIT_REGEXES)[0]},
+        "behavior": "Isolated",
+        "invert": False,
+    }
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
     cases = {
-        "normalizer": changed(["normalizer"], {"type": "NFC"}),
+        "normalizer": changed(["normalizer"], {"type": "NFKC"}),
         "truncates": changed(["truncation"], {"max_length": 8}),
         "pre-tokenizer": changed(["pre_tokenizer"], {"type": "Sequence", "pretokenizers": []}),
         "prefix space": changed(["pre_tokenizer", "add_prefix_space"], True),
         "no regex": changed(["pre_tokenizer", "use_regex"], False),
         "dropout": changed(["model", "dropout"], 0.1),
-        "post-processor": changed(["post_processor"], bos),
+        "a token after the text": changed(["post_processor"], eos),
+        "a token it does not name": changed(["post_processor"], unnamed),
+        "another split regex": changed(
+            ["pre_tokenizer"],
+            {"type": "Sequence", "pretokenizers": [{**split, "pattern": {"Regex": "\\s+"}}, byte_level]},
+        ),
+        "split, removed": changed(
+            ["pre_tokenizer"],
+            {"type": "Sequence", "pretokenizers": [{**split, "behavior": "Removed"}, byte_level]},
+        ),
+        "split then regex": changed(
+            ["pre_tokenizer"],
+            {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": True}]},
+        ),
         "lstrip": changed(["added_tokens"], [{**base["added_tokens"][0], "lstrip": True}]),
         "space in token": changed(["added_tokens"], [{**base["added_tokens"][0], "content": "<| x |>"}]),
     }
     for name, config in cases.items():
         assert why_not_splittable(config), name
+
+
+def _styled(tmp: Path, regex: str, nfc: bool) -> Tokenizer:
+    """A small byte-level BPE tokenizer shaped like Llama 3's (a Split on its regex, a BOS template) or Qwen2's
+    (its regex, NFC), trained here on the fragments: no model files are downloaded."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Backend(models.BPE())
+    if nfc:
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=700, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    rng = random.Random(1)
+    backend.train_from_iterator(["".join(rng.choices(FRAGMENTS, k=60)) for _ in range(400)], trainer)
+    if not nfc:  # Llama 3: <|begin_of_text|> before every text encoded with special tokens
+        backend.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+                ),
+            ]
+        )
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(tmp)
+    return Tokenizer(tmp)
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+def styled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    llama3 = request.param == "llama3"
+    regex = next(r for r in SPLIT_REGEXES if ("{1,3}" in r) == llama3)
+    return _styled(tmp_path_factory.mktemp(request.param), regex, nfc=not llama3)
+
+
+def test_llama3_and_qwen2_style_tokenizers_may_be_split(styled: Tokenizer) -> None:
+    config = json.loads(styled.backend.to_str())
+    assert why_not_splittable(config) is None and styled.encode_pieces > 0
+    assert special_prefix(config) == styled.special_prefix == ([0] if config["normalizer"] is None else [])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=120), st.integers(2, 9), st.booleans())
+def test_their_pieces_give_the_tokens_of_the_whole(
+    styled: Tokenizer, monkeypatch: pytest.MonkeyPatch, parts: list[str], pieces: int, specials: bool
+) -> None:
+    monkeypatch.setattr(split_encode, "MIN_PIECE_CHARS", 1)
+    monkeypatch.setattr(split_encode, "REUSE_PIECE_CHARS", 8)
+    monkeypatch.setattr(styled, "encode_pieces", pieces)
+    text = "".join(parts)
+    want = styled.backend.encode_batch([text], add_special_tokens=specials)[0].ids
+    assert styled.encode(text, add_special_tokens=specials) == want, (split(text, pieces), text)
+    assert styled.encode(text, add_special_tokens=specials, reuse=True) == want, text
+
+
+def test_a_cut_inside_a_word_would_be_caught_for_them_too(styled: Tokenizer) -> None:
+    """The property above can fail with these tokenizers too: a cut inside a word they merged changes tokens."""
+    text = "Hello system user word the Hello"
+    changed = []
+    for word in ("Hello", "system", "user", "word"):
+        cut = text.index(word) + 2
+        enc = styled.backend.encode_batch([text[:cut], text[cut:], text], add_special_tokens=False)
+        changed.append(enc[0].ids + enc[1].ids != enc[2].ids)
+    assert any(changed)
