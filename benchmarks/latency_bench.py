@@ -118,9 +118,11 @@ async def measure(
     decode_tokens: int = 128,
     seed: int = 0,
     model: str | None = None,
+    gap_s: float = 0.0,
 ) -> list[LatencyResult]:
     """Every measure on every server (name -> base URL). `llama`: the name of the llama-cpp-python server,
-    which gets `logit_bias` on `eos_token_ids` in place of `ignore_eos`."""
+    which gets `logit_bias` on `eos_token_ids` in place of `ignore_eos`. `gap_s`: idle time before each
+    timed warm or 5-token request (0: back to back), for TTFT under sporadic traffic."""
     long_prompt = document(random.Random(seed), long_tokens, "latency")
     results = {name: LatencyResult(name) for name in servers}
     async with httpx.AsyncClient(timeout=600) as client:
@@ -141,12 +143,14 @@ async def measure(
             res.ttft_cold_long = first.token_times[0] if first.token_times else None
             res.prompt_tokens_long = first.prompt_tokens
             for _ in range(repeats):
+                await asyncio.sleep(gap_s)
                 s = await stream(client, url, body)
                 if s.token_times:
                     res.ttft_warm.append(s.token_times[0])
 
         async def short(res: LatencyResult, url: str, model: str, _: bool) -> None:
             for i in range(repeats):
+                await asyncio.sleep(gap_s)
                 s = await stream(
                     client, url, {"model": model, "prompt": short_prompt(seed + i), "max_tokens": 1}
                 )
@@ -252,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gap-ms", type=float, default=0.0, help="idle time before each timed TTFT request (default: none)"
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     servers = dict(s.split("=", 1) for s in args.server)
@@ -265,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             long_tokens=args.long_tokens,
             decode_tokens=args.decode_tokens,
             seed=args.seed,
+            gap_s=args.gap_ms / 1000,
         )
     )
     print(markdown(results, brine, args.llama))

@@ -200,3 +200,13 @@ def test_serve_with_tenants_and_public_prefixes(
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert cli.main(["serve", "--public-prefix", str(bad)]) == 1
+
+
+def test_brine_serve_lets_openmp_threads_spin_longer_unless_the_operator_chose():
+    from server.cli import OMP_SPIN_COUNT, omp_spin_default
+
+    env: dict[str, str] = {}
+    assert omp_spin_default(env) and env == {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}
+    for chosen in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
+        env = dict(chosen)
+        assert not omp_spin_default(env) and env == chosen
