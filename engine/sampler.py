@@ -78,21 +78,20 @@ def _penalize_touched(
     over 1,000-token prompts decode 1.05x faster (decode_bench --repetition-penalty 1.1 --baseline). On CUDA
     the whole-row version stays: the unique below would cost a device sync."""
     vocab = logits.shape[1]
-    flat = rows_idx[pairs[0]] * vocab + pairs[1]  # into the whole batch's logits, flattened
-    touched, which = torch.unique(flat, return_inverse=True)
+    # (subset row, token) pairs, flattened and made unique; each one's logit in the whole batch's
+    touched, which = torch.unique(pairs[0] * vocab + pairs[1], return_inverse=True)
+    row = touched // vocab
+    at = rows_idx[row] * vocab + touched % vocab
     counts = torch.zeros(len(touched), dtype=logits.dtype).index_add_(
         0, which[:n_out], torch.ones(n_out, dtype=logits.dtype)
     )
     seen = torch.zeros(len(touched), dtype=torch.bool).index_fill_(0, which[n_out:], True)
-    # the coefficients of each touched logit's row: rows_idx[j] is the batch row of subset row j
-    subset_of_row = torch.empty(logits.shape[0], dtype=torch.long)
-    subset_of_row[rows_idx] = torch.arange(len(rows_idx))
-    c = coef[subset_of_row[touched // vocab]]
-    x = logits.view(-1)[touched]
+    c = coef[row]
+    x = logits.view(-1)[at]
     rep = c[:, 0]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - c[:, 1] * counts - c[:, 2] * (counts > 0).float()
-    logits.view(-1)[touched] = x
+    logits.view(-1)[at] = x
     return logits
 
 
