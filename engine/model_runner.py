@@ -28,7 +28,7 @@ from engine.model.native_stack import NativeStack
 from engine.model.quant_linear import QuantLinear
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
-from engine.sampler import LogprobsOut, Sampler, SamplerOutput, token_logprobs
+from engine.sampler import INVALID_TOKEN, LogprobsOut, Sampler, SamplerOutput, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +128,23 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.block_copies:
             self.kv.copy_blocks(out.block_copies)
-        if not out.scheduled:
-            return RunnerOutput({})
-        step = self._prepare(out.scheduled)
-        return self._sample(step, self._run(step))
+        errors = {r.request_id: why for r in out.scheduled if (why := self._invalid(r)) is not None}
+        reqs = [r for r in out.scheduled if r.request_id not in errors] if errors else out.scheduled
+        if not reqs:
+            return RunnerOutput({}, errors=errors)
+        step = self._prepare(reqs)
+        result = self._sample(step, self._run(step))
+        result.errors.update(errors)
+        return result
+
+    def _invalid(self, r: ScheduledRequest) -> str | None:
+        """Why one request cannot run in this step (it fails alone; the batch goes on), or None."""
+        start, n = r.num_computed_tokens, len(r.new_token_ids)
+        if n < 1 or len(r.block_ids) * self.block_size < start + n:
+            return f"{n} new tokens, {len(r.block_ids)} blocks for {start + n}"
+        if min(r.new_token_ids) < 0 or max(r.new_token_ids) >= self.vocab_size:
+            return f"token id out of range for a vocabulary of {self.vocab_size}"
+        return None
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> _Step:
         """Host lists for the step, sent to the device in one copy."""
@@ -142,13 +155,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
-        for r in reqs:
+        for r in reqs:  # each checked by _invalid
             start, n = r.num_computed_tokens, len(r.new_token_ids)
             ctx = start + n
-            if n < 1 or len(r.block_ids) * bs < ctx:
-                raise ValueError(
-                    f"request {r.request_id}: {n} new tokens, {len(r.block_ids)} blocks for {ctx}"
-                )
             row0 = len(input_ids)
             input_ids += r.new_token_ids
             positions += range(start, ctx)
@@ -161,8 +170,6 @@ class ModelRunner:
                 if count > 0:
                     prompt_spans.append((r, len(prompt_rows), count))
                     prompt_rows += range(row0, row0 + count)
-        if input_ids and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
-            raise ValueError(f"token id out of range for a vocabulary of {self.vocab_size}")
         t = len(input_ids)
         host = torch.tensor(input_ids + positions + slots + sample_rows + prompt_rows, dtype=torch.int64)
         dev = to_device(host, self.device)
@@ -238,7 +245,13 @@ def _unpack(
     result = RunnerOutput({})
     if sampled is not None:
         tokens = [int(x) for x in take(len(sampling))]
-        result.sampled_token_ids = {r.request_id: tok for r, tok in zip(sampling, tokens, strict=True)}
+        for r, tok in zip(sampling, tokens, strict=True):
+            if tok == INVALID_TOKEN:
+                result.errors[r.request_id] = (
+                    "no token could be sampled: no logit was finite after penalties, temperature and masks"
+                )
+            else:
+                result.sampled_token_ids[r.request_id] = tok
         if sampled.logprobs is not None:
             records = _records(
                 take,

@@ -72,6 +72,9 @@ class RunnerOutput:
     # sampling_params.prompt_logprobs set. Entry i is for the token at position num_computed_tokens + i + 1
     # (the logprob of the *next* prompt token given the prefix); the first prompt token has none.
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request_id -> why this request failed in the step (token ids outside the vocabulary, nothing left to
+    # sample): the scheduler fails it alone, frees its blocks, and the batch goes on.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class FinishReason(str, Enum):

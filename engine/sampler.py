@@ -2,10 +2,11 @@
 
 Order, as in vLLM: logprobs come from the raw model distribution (log-softmax of the logits before any
 penalty or temperature). Then repetition penalty (prompt + output tokens), frequency and presence penalties
-(output tokens), min_tokens (stop and EOS tokens masked), the grammar masks of structured-output rows, and
-either argmax (temperature 0) or temperature
--> min-p -> top-k -> top-p -> a draw. Every step keeps everything batched on the device; only seeded rows
-loop, to draw their noise from their own generator.
+(output tokens), the grammar masks of structured-output rows, min_tokens (stop and EOS tokens masked, unless
+a grammar allows nothing else), and either argmax (temperature 0) or temperature
+-> min-p -> top-k -> top-p -> a draw. A row left with nothing to sample gets INVALID_TOKEN, never an id
+outside the vocabulary: the runner fails that request alone. Every step keeps everything batched on the
+device; only seeded rows loop, to draw their noise from their own generator.
 
 Seeds: a seeded request's noise for output token i comes from a generator seeded with mix(seed, i), so the
 same seed and prompt give the same tokens whatever else is in the batch, and also after a preemption that
@@ -27,6 +28,8 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import apply_masks
 
 _MASK64 = (1 << 64) - 1
+# The id a row gets when it has nothing to sample: the runner fails that request alone (never a real token).
+INVALID_TOKEN = -1
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -55,13 +58,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [N, V] (rows of non-negative weights), u [N, 1] in [0, 1): per row, the first token whose
-    cumulative weight exceeds u x the row's total; never a token of weight 0."""
+    cumulative weight exceeds u x the row's total; never a token of weight 0. INVALID_TOKEN for a row whose
+    total is not a positive number."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     drawn = torch.searchsorted(cdf, u * total, right=True)
     # u x total can round up to the total itself: then the last token that has any weight.
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(drawn, last).squeeze(1)
+    # A NaN or zero total (NaN weights, a temperature that overflowed) has no first token to exceed it:
+    # searchsorted would answer the row width, an id outside the vocabulary.
+    drawable = torch.isfinite(total) & (total > 0)
+    return torch.minimum(drawn, last).masked_fill(~drawable, INVALID_TOKEN).squeeze(1)
 
 
 def _ids(values: list[int]) -> torch.Tensor:
@@ -129,12 +136,16 @@ class Sampler:
         raw = logits  # before penalties: vLLM's raw logprobs
         if any(_has_penalty(p) for p in params):
             logits = self._apply_penalties(logits.clone(), reqs)
-        logits = self._apply_min_tokens(logits, reqs)
         constrained = [
             (i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.active
         ]
         if constrained:
             logits = apply_masks(logits, constrained, self.vocab_size)
+        logits = self._apply_min_tokens(logits, reqs, {i for i, _ in constrained})
+        # A row with no finite logit left (NaN from a penalty's overflow, +inf, or every token masked) has no
+        # distribution: whatever argmax or the draw returned is not a token. Its id becomes INVALID_TOKEN (after
+        # the logprobs, which need an id in range) and the runner fails that request alone.
+        invalid = ~torch.isfinite(logits.max(dim=-1).values)
         if not rand:
             tokens = logits.argmax(dim=-1)
         elif not rand_subset:
@@ -143,6 +154,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             sampled = self._sample([reqs[i] for i in rand], logits.index_select(0, rand_idx))
             tokens = tokens.index_copy(0, rand_idx, sampled)
+        invalid |= tokens < 0  # a draw from weights that did not sum to a positive number
+        tokens = tokens.clamp(0, logits.shape[1] - 1)
         out = None
         if lp_rows:
             k = max(params[i].logprobs or 0 for i in lp_rows)
@@ -150,7 +163,7 @@ class Sampler:
                 out = token_logprobs(raw.index_select(0, lp_idx), tokens.index_select(0, lp_idx), k)
             else:
                 out = token_logprobs(raw, tokens, k)
-        return SamplerOutput(tokens, lp_rows, out)
+        return SamplerOutput(tokens.masked_fill(invalid, INVALID_TOKEN), lp_rows, out)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         rows = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
@@ -192,7 +205,12 @@ class Sampler:
         sub = sub - coef[:, 1:2] * counts - coef[:, 2:3] * (counts > 0).float()
         return logits.index_copy_(0, rows_idx, sub)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    def _apply_min_tokens(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], constrained: set[int]
+    ) -> torch.Tensor:
+        """Masks the stop tokens of rows still short of min_tokens. A constrained row whose grammar allows
+        nothing but a stop token keeps it: the grammar wins, so the output ends complete and short
+        (finish "stop"), where masking would leave the row nothing to sample."""
         rows: list[int] = []
         toks: list[int] = []
         for i, r in enumerate(reqs):
@@ -202,11 +220,18 @@ class Sampler:
                 stop = [t for t in stop_set if 0 <= t < logits.shape[1]]
                 rows += [i] * len(stop)
                 toks += stop
-        if rows:
-            idx = index_tensor(rows + toks, logits.device).view(2, -1)
-            # new_full fills on the device; torch.tensor(x, device=...) would be a blocking copy.
-            logits = logits.index_put((idx[0], idx[1]), logits.new_full((), float("-inf")))
-        return logits
+        if not rows:
+            return logits
+        idx = index_tensor(rows + toks, logits.device).view(2, -1)
+        # new_full fills on the device; torch.tensor(x, device=...) would be a blocking copy.
+        masked = logits.index_put((idx[0], idx[1]), logits.new_full((), float("-inf")))
+        both = sorted(constrained.intersection(rows))
+        if not both:
+            return masked
+        sub = index_tensor(both, logits.device)
+        left = torch.isfinite(masked.index_select(0, sub).max(dim=-1, keepdim=True).values)
+        keep = torch.where(left, masked.index_select(0, sub), logits.index_select(0, sub))
+        return masked.index_copy(0, sub, keep)
 
     def _sample(self, reqs: list[ScheduledRequest], logits: torch.Tensor) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]

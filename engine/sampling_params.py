@@ -6,6 +6,7 @@ last line of defence and raises `ValueError` (which the server maps to a 400), n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,11 @@ if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputSpec
 
 _GREEDY_EPS = 1e-5
+# A positive logit is divided by the penalty, a negative one multiplied: in float32, 1e-300 is 0 (x / 0 = inf,
+# then a NaN softmax) and 1e39 is inf. This range keeps every penalised logit within a factor of 100 of the
+# model's, far from overflow at any temperature the server accepts, and covers every setting in use (1.0-1.5,
+# below 1 to favour repetition).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(slots=True)
@@ -49,6 +55,9 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN passes every comparison below
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -65,8 +74,9 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

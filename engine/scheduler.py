@@ -236,10 +236,14 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            try:
-                update = self._apply(req, sr, result)
-            except Exception as exc:  # bad per-request state fails that request only
-                self.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR, error=repr(exc))
+            error = result.errors.get(sr.request_id)
+            if error is None:
+                try:
+                    update = self._apply(req, sr, result)
+                except Exception as exc:  # bad per-request state fails that request only
+                    error = repr(exc)
+            if error is not None:
+                self.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR, error=error)
                 update = RequestUpdate(req, [], None)
             if update is not None:
                 updates.append(update)
@@ -264,7 +268,10 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        # A grammar that has ended (it accepted a stop token) ends the output even short of min_tokens: the
+        # sampler let it choose the stop token because nothing else was allowed.
+        grammar_ended = req.grammar is not None and not req.grammar.active and not req.grammar.rejected
+        if req.num_output_tokens >= params.min_tokens or grammar_ended:
             if token in params.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED

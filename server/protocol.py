@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from engine.sampling_params import REPETITION_PENALTY_RANGE
+
 logger = logging.getLogger("brine.server")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_CACHE_SALT_CHARS = 1024
@@ -154,7 +156,9 @@ class _SamplingFields(_Request):
     # vLLM extras
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(
+        default=None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
+    )
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None

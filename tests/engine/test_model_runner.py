@@ -269,11 +269,22 @@ def test_logprobs_of_a_vocabulary_smaller_than_asked(tmp_path):
 
 
 def test_finished_requests_and_bad_tokens(runner_for):
+    """A request the step cannot run (an id outside the vocabulary, too few blocks) fails alone: the runner
+    says why in `errors`, and the request beside it gets the token it gets without it."""
     runner, _ = runner_for("llama")
     assert runner.execute(SchedulerOutput([], 0)).sampled_token_ids == {}
+    greedy = SamplingParams(temperature=0.0)
+    good = ScheduledRequest("good", [5, 6, 7], 0, [1], True, greedy, [5, 6, 7], 3, 0)
+    alone = runner.execute(SchedulerOutput([good], 3)).sampled_token_ids
     bad = ScheduledRequest("r", [128], 0, [0], True, SamplingParams(), [128], 1, 0)
-    with pytest.raises(ValueError, match="out of range"):
-        runner.execute(SchedulerOutput([bad], 1))
+    negative = ScheduledRequest("neg", [-1], 0, [2], True, SamplingParams(), [-1], 1, 0)
+    short = ScheduledRequest("short", [1] * 5, 0, [3], True, SamplingParams(), [1] * 5, 5, 0)
+    result = runner.execute(SchedulerOutput([bad, good, negative, short], 10))
+    assert "out of range" in result.errors["r"] and "out of range" in result.errors["neg"]
+    assert "blocks" in result.errors["short"]
+    assert result.sampled_token_ids == alone and "good" not in result.errors
+    only_bad = runner.execute(SchedulerOutput([bad], 1))
+    assert only_bad.sampled_token_ids == {} and set(only_bad.errors) == {"r"}
 
 
 @pytest.mark.slow
