@@ -183,8 +183,9 @@ class AsyncEngine:
         """Yields deltas; the last has finished=True. ValueError before the first yield for a request that can
         never run. Closing or cancelling the iterator aborts the request (blocks freed at the next step).
         `namespace`: whose cached blocks the request may reuse (None: the shared unsalted namespace).
-        `owner`: whom the scheduler shares fairly between; requests naming the same owner (the prompts of one
-        API request, a tenant's requests) share one fair share. Default: this request alone."""
+        `owner`: the API request this is part of; requests naming the same owner (its prompts) share one fair
+        share when they have no namespace. With one, the engine shares by the namespace (its tenant, gateway
+        value or salt: `engine.request.fair_share_key`). Default: this request alone."""
         self._core.check_request(prompt_token_ids, params)
         grammar = await self._compile(params)
         request_id = request_id or uuid.uuid4().hex

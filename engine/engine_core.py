@@ -104,9 +104,9 @@ class EngineCore:
         grammar: CompiledGrammar | None = None,
     ) -> list[RequestOutput]:
         """Queues a request (n sequences). Returns an error output if it cannot be added, else [].
-        `owner`: whom the scheduler shares fairly between (several requests may name one owner: the prompts
-        of one API request); default: this request, all its n sequences together. `grammar` (compiled off
-        this thread) constrains every sequence's output; each gets its own matcher."""
+        `owner`: the API request this is part of (its prompts share one fair share); default: this request,
+        all its n sequences together. A request with a namespace shares by it instead (`fair_share_key`).
+        `grammar` (compiled off this thread) constrains every sequence's output; each gets its own matcher."""
         try:
             self.check_request(prompt_token_ids, params)
             arrival = time.monotonic() if arrival_time is None else arrival_time

@@ -1,7 +1,7 @@
 """The scheduler's waiting queue: one FIFO per owner, served round-robin.
 
-An owner is whoever the scheduler shares fairly between: one API request (all its prompts and all their n
-sequences) today, a tenant once tenants exist. Within an owner requests keep their arrival order; between
+An owner is whoever the scheduler shares fairly between (`engine.request.fair_share_key`): the request's cache
+namespace (tenant, gateway value, else salt), or without one its API request (all its prompts and n sequences). Within an owner requests keep their arrival order; between
 owners the turn passes on after each admission, so 12,800 waiting sequences of one request delay another
 request's first sequence by one turn, not by 12,800.
 

@@ -52,6 +52,23 @@ _FINISH_REASONS = {
 }
 
 
+def fair_share_key(namespace: CacheNamespace | None, group: str) -> str:
+    """Whom the scheduler shares fairly between (engine policy, so computed here from the namespace, never by
+    the caller): the tenant, else the trusted gateway's value, else the salt, so that a flood under one
+    namespace shares one fair share however many requests it sends; with no namespace, `group` (the API
+    request: all its prompts and n sequences together). The tenant wins over the salt, so a tenant cannot
+    buy more shares by rotating salts; with salt-only tenancy a client that rotates salts does get more.
+    The kinds are prefixed, so a salt can never take a tenant's share."""
+    if namespace is not None:
+        if namespace.tenant is not None:
+            return f"tenant:{namespace.tenant}"
+        if namespace.gateway is not None:
+            return f"gateway:{namespace.gateway}"
+        if namespace.salt is not None:
+            return f"salt:{namespace.salt}"
+    return group
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -64,8 +81,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Which of the parent request's n sequences this is (CompletionOutput.index).
     index: int = 0
-    # Whom the scheduler shares slots and tokens fairly between: every sequence of one API request (all its
-    # prompts, all n) carries the same owner. Empty: the request's own id.
+    # Whom the scheduler shares slots and tokens fairly between (`fair_share_key`): given, the API request's
+    # id (every sequence of its prompts and n passes the same one; empty: this request's own id); then made
+    # the namespace's key wherever the request has a namespace. Never logged: it may name a tenant or salt.
     owner: str = ""
     # Constrains the generated tokens (structured outputs); None: unconstrained. Advanced by every appended
     # output token, never by prompt tokens.
@@ -90,7 +108,7 @@ class Request:
     last_token_time: float | None = None
 
     def __post_init__(self) -> None:
-        self.owner = self.owner or self.request_id
+        self.owner = fair_share_key(self.namespace, self.owner or self.request_id)
         # A copy: the caller's list must not grow with our outputs (n > 1 children share one prompt list).
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None:

@@ -5,8 +5,9 @@ prefill, a prefill that starts after a prefix hit, a chunk of a long prefill and
 `min(num_tokens - num_computed_tokens, budget left)` tokens. Running requests go first (oldest first), then
 waiting ones while the budget, `max_num_seqs` and the KV cache allow.
 
-Fairness between owners (an owner is one API request, all its prompts and n sequences; a tenant once tenants
-exist), so that one request's fan-out or one long prompt cannot hold everyone else's first token behind it:
+Fairness between owners (`Request.owner`: the request's cache namespace, its tenant, gateway value or salt;
+without one, its API request, all its prompts and n sequences), so that one request's fan-out, one long prompt
+or one salt's flood cannot hold everyone else's first token behind it:
 - admission is round-robin across owners (`FairQueue`), FIFO within an owner;
 - while more than one owner has work, each owner's fair share is `max_num_seqs / owners` running sequences
   and `max_num_batched_tokens / owners` tokens per step. An owner at its share is admitted only when no owner

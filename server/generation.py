@@ -65,17 +65,6 @@ def check_output(out: RequestOutput) -> None:
         raise APIError("The engine failed while generating.", status=500, type=SERVER_ERROR)
 
 
-def fair_share_owner(namespace: CacheNamespace | None, request_id: str) -> str:
-    """Whom the scheduler shares fairly between (`engine.scheduler`): the tenant when the request has one (a
-    tenant key, or the trusted gateway's namespace), so that a tenant's many requests share one share; otherwise
-    this API request, all its prompts together. Never logged: it names a tenant."""
-    if namespace is not None and namespace.tenant is not None:
-        return f"tenant:{namespace.tenant}"
-    if namespace is not None and namespace.gateway is not None:
-        return f"gateway:{namespace.gateway}"
-    return f"request:{request_id}"
-
-
 class OutputStream:
     """The engine requests of one HTTP request (one per prompt), merged into one stream of
     (prompt_index, RequestOutput). Call `start()` first, then iterate; `close()` always, in a finally."""
@@ -92,9 +81,10 @@ class OutputStream:
         self.request_ids = (
             [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
-        owner = fair_share_owner(namespace, request_id)
+        # `owner`: this API request, so its prompts share one fair share; the engine shares by the namespace
+        # instead wherever there is one (engine.request.fair_share_key).
         self._gens = [
-            engine.generate(p, params, request_id=rid, namespace=namespace, owner=owner)
+            engine.generate(p, params, request_id=rid, namespace=namespace, owner=request_id)
             for p, rid in zip(prompts, self.request_ids, strict=True)
         ]
         self._finished = [False] * len(prompts)

@@ -250,20 +250,3 @@ def test_the_readme_documents_every_limit_flag_with_its_default() -> None:
             flag = action.option_strings[0]
             assert f"[{flag} {action.default}]" in readme, flag
             assert f"`{flag}`" in readme, flag
-
-
-def test_the_fair_share_owner_is_the_tenant_when_there_is_one() -> None:
-    from kv_cache.namespace import CacheNamespace
-    from server.generation import fair_share_owner
-
-    a1 = fair_share_owner(CacheNamespace(tenant="a", salt="s1"), "req-1")
-    a2 = fair_share_owner(CacheNamespace(tenant="a", salt="s2"), "req-2")
-    assert a1 == a2 != fair_share_owner(CacheNamespace(tenant="b"), "req-1")
-    assert fair_share_owner(CacheNamespace(gateway="g"), "r1") == fair_share_owner(
-        CacheNamespace(gateway="g"), "r2"
-    )
-    # No tenant: each API request is its own owner, salted or not.
-    assert fair_share_owner(CacheNamespace(salt="s"), "r1") != fair_share_owner(
-        CacheNamespace(salt="s"), "r2"
-    )
-    assert fair_share_owner(None, "r1") != fair_share_owner(None, "r2")
