@@ -17,7 +17,8 @@ object per block on the scheduler's hot path). Rules the pool keeps:
   them until `end_pass()`.
 - A cached block may carry an owner (`kv_cache.namespace.Owner`: the tenant whose private namespace hashed
   it); `forget(owner)` drops the hash of every block that owner holds, in use or not (a tenant's "forget my
-  prompts"). A block in use that was forgotten keeps serving its request, without a hash.
+  prompts"). A block in use that was forgotten keeps serving its request, without a hash. An index by owner
+  makes forget's cost that owner's blocks, not the pool's: any tenant may send a reset, under the core lock.
 Every block returned by take() must be freed exactly once per reference taken (take or touch).
 """
 
@@ -41,6 +42,8 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # Owner of each cached private block (None for public / unsalted ones and for blocks without a hash).
         self.block_owner: list[Owner | None] = [None] * num_blocks
+        # The same, by owner (a dict as an ordered set): every write goes through _set_owner.
+        self._owned: dict[Owner, dict[int, None]] = {}
         # Tails: each block's tail key (None: not filed) and the tokens whose KV it holds; key -> its blocks,
         # oldest filed first (a dict as an ordered set).
         self.tail_key: list[BlockHash | None] = [None] * num_blocks
@@ -86,7 +89,7 @@ class BlockPool:
                 self._evict(b, removed)
             elif tail_key[b] is not None:  # a partial block's KV is about to be overwritten
                 self._drop_tail(b)
-                self.block_owner[b] = None
+                self._set_owner(b, None)
         if removed and self._events is not None:
             self._events.append(BlockRemoved(removed))
         return ids
@@ -101,7 +104,7 @@ class BlockPool:
         assert h is not None
         self.block_hash[b] = None
         self._drop_tail(b)
-        self.block_owner[b] = None
+        self._set_owner(b, None)
         self.num_cached_blocks -= 1
         dups = self._dups.get(h)
         if self._cached[h] == b:
@@ -150,7 +153,7 @@ class BlockPool:
         cached = self._cached
         if owners is not None:
             for b, owner in zip(ids, owners, strict=True):
-                self.block_owner[b] = owner
+                self._set_owner(b, owner)
         for b, h in zip(ids, hashes, strict=True):
             block_hash[b] = h
             if h in cached:
@@ -169,6 +172,19 @@ class BlockPool:
         if self.ref_cnt[b] or self.block_hash[b] is not None:
             raise ValueError(f"block {b} is in use or cached: only a free block without a hash is a partial")
         self._file_tail(b, key, tokens)
+        self._set_owner(b, owner)
+
+    def _set_owner(self, b: int, owner: Owner | None) -> None:
+        old = self.block_owner[b]
+        if old == owner:
+            return
+        if old is not None:
+            mine = self._owned[old]
+            del mine[b]
+            if not mine:
+                del self._owned[old]
+        if owner is not None:
+            self._owned.setdefault(owner, {})[b] = None
         self.block_owner[b] = owner
 
     def _file_tail(self, b: int, key: BlockHash, tokens: tuple[int, ...]) -> None:
@@ -229,6 +245,7 @@ class BlockPool:
             return False
         self.block_hash[:] = [None] * self.num_blocks  # in place: callers may hold the list
         self.block_owner[:] = [None] * self.num_blocks
+        self._owned.clear()
         self.tail_key[:] = [None] * self.num_blocks
         self.tail_tokens[:] = [()] * self.num_blocks
         self._tails.clear()
@@ -243,19 +260,18 @@ class BlockPool:
 
     def forget(self, owner: Owner) -> int:
         """Drop the hash of every block `owner` holds, in use or free; returns how many. Not evictions: the
-        blocks are not reallocated (free ones stay where they are in the queue, now without a hash)."""
+        blocks are not reallocated (free ones stay where they are in the queue, now without a hash). Costs
+        the owner's blocks only (the index), whatever the pool's size."""
         removed: list[BlockHash] = []
         n = 0
-        for b, o in enumerate(self.block_owner):
-            if o != owner:
-                continue
+        for b in list(self._owned.get(owner, ())):
             if self.block_hash[b] is not None:
                 self._drop_hash(b, removed)
                 if self.ref_cnt[b]:
                     self.forgotten.add(b)
             else:  # a partial block (free, filed for tail lookups only)
                 self._drop_tail(b)
-                self.block_owner[b] = None
+                self._set_owner(b, None)
             n += 1
         if removed and self._events is not None:
             self._events.append(BlockRemoved(removed))
@@ -288,6 +304,11 @@ class BlockPool:
             assert owner is None or self.block_hash[b] is not None or self.tail_key[b] is not None, (
                 f"block {b} has an owner but is neither cached nor a partial"
             )
+        indexed = {(o, b) for o, blocks in self._owned.items() for b in blocks}
+        assert indexed == {(o, b) for b, o in enumerate(self.block_owner) if o is not None}, (
+            "the owner index != the blocks' owners"
+        )
+        assert all(self._owned.values()), "an owner with no blocks is still indexed"
         filed = {b for blocks in self._tails.values() for b in blocks}
         assert filed == {b for b in range(n) if self.tail_key[b] is not None}, "tail map != filed blocks"
         for key, blocks in self._tails.items():
