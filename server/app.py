@@ -22,14 +22,17 @@ from server.engine_client import EngineClient
 from server.errors import APIError, bad_request, engine_not_running, install_error_handlers
 from server.generation import ClientDisconnected
 from server.limits import RequestLimits
+from server.messages_routes import install_messages_routes
 from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
 from server.params import check_chat_template, check_model
 from server.prompts import encode, off_loop, render_chat
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.response_store import ResponseStore
 from server.responses import now
 from server.router_routes import install_router_routes
 from server.serving_chat import create_chat_completion
 from server.serving_completion import create_completion
+from server.serving_responses import install_responses_routes
 from server.tenancy import TenancyConfig, request_owner
 from server.text_check import check_text
 
@@ -56,6 +59,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     tenancy: TenancyConfig | None = None,
     limits: RequestLimits | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
@@ -65,6 +69,7 @@ def create_app(
     metrics: what `GET /metrics` renders (a `metrics.prometheus.PrometheusStatLogger`); empty body if None.
     max_body_bytes: larger request bodies are refused with a 413 before they are read whole.
     limits: what one generation request may ask for (`server.limits`); the defaults when None.
+    response_store: where `/v1/responses` keeps stored responses (`server.response_store`); a default one.
     """
     # A body sent without a Content-Type is still read as JSON, as Brine always did (older FastAPI too).
     lenient: dict[str, Any] = (
@@ -225,5 +230,7 @@ def create_app(
             )
         return {"reset": True}
 
+    install_responses_routes(app, engine, response_store or ResponseStore())
     install_router_routes(app, engine)
+    install_messages_routes(app, engine)  # last: its error middleware must be outermost
     return app

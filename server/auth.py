@@ -1,4 +1,5 @@
-"""Bearer-token authentication for every route except `GET`/`HEAD /health`, and who the caller is.
+"""API-key authentication (`Authorization: Bearer <key>`, or `x-api-key: <key>` as Anthropic's clients send it)
+for every route except `GET`/`HEAD /health`, and who the caller is.
 
 Two kinds of key: the operator's (`--api-key` / `BRINE_API_KEY`), which open every route, and tenants' (from
 `--tenants`, matched by the SHA-256 of the key), which open only the routes a tenant needs and put the request
@@ -32,13 +33,16 @@ _OPEN_ROUTES = {("GET", "/health"), ("HEAD", "/health")}
 # operator's, including routes added later: a new route is closed to tenants until it is listed here.
 _TENANT_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
-     "/reset_prefix_cache", "/health", "/openapi.json", "/docs"}
+     "/reset_prefix_cache", "/health", "/openapi.json", "/docs",
+     "/v1/responses"}
 )  # fmt: skip
-_TENANT_PATH_PREFIXES = ("/v1/models/",)
+# Anthropic's Messages API (server.messages_routes).
+_MESSAGES_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+_TENANT_PATH_PREFIXES = ("/v1/models/", "/v1/responses/")
 
 
 def tenant_may_use(path: str) -> bool:
-    return path in _TENANT_PATHS or path.startswith(_TENANT_PATH_PREFIXES)
+    return path in _TENANT_PATHS or path.startswith(_TENANT_PATH_PREFIXES) or path in _MESSAGES_PATHS
 
 
 class ApiKeyMiddleware:
@@ -96,21 +100,23 @@ class ApiKeyMiddleware:
 
 
 def _bearer_token(scope: Scope) -> bytes:
-    header = b""
+    """The key of `Authorization: Bearer <key>`, else of `x-api-key: <key>` (Anthropic's clients send it)."""
+    header = api_key = b""
     for name, value in scope.get("headers", ()):
-        if name == b"authorization":
+        if name == b"authorization" and not header:
             header = value
-            break
+        elif name == b"x-api-key" and not api_key:
+            api_key = value
     scheme, _, token = header.partition(b" ")
-    if scheme.lower() != b"bearer":
-        return b""
-    return token.strip()
+    if scheme.lower() == b"bearer" and token.strip():
+        return token.strip()
+    return api_key.strip()
 
 
 async def _deny(scope: Scope, receive: Receive, send: Send, status: int) -> None:
     if status == 401:
         body = error_body(
-            "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.",
+            "Incorrect API key provided: pass it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
             type=INVALID_REQUEST,
             code="invalid_api_key",
         )
