@@ -131,6 +131,15 @@ _CHAT_TEMPLATE_DOC = (
 )
 
 
+_PROMPT_CACHE_KEY_DOC = (
+    "A routing hint, never an isolation key: accepted (1 to 1024 characters), but the prefix cache stays "
+    "partitioned by tenant and cache_salt only. A router in front of several replicas can pin requests with one "
+    "key to one replica (README: More than one replica)."
+)
+# OpenAI's routing hint on chat, completions and responses (see its description).
+PromptCacheKey = Annotated[str | None, Field(min_length=1, max_length=1024, description=_PROMPT_CACHE_KEY_DOC)]
+
+
 class _SamplingFields(_Request):
     """Fields both generation routes share."""
 
@@ -152,6 +161,7 @@ class _SamplingFields(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_cache_key: PromptCacheKey = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
     top_k: int | None = Field(default=None, ge=-1)

@@ -1,5 +1,6 @@
 """What `brine serve` does once its arguments are parsed: resolve the model, build the engine with a
-Prometheus and a logging stat logger, say what was loaded, and run uvicorn until interrupted.
+Prometheus and a logging stat logger, say what was loaded, and run uvicorn until interrupted or the engine
+dies (`server.supervise`: then the exit status is non-zero, for a supervisor to restart it).
 
 Access logs carry the client address, method, path and status only: the query string is cut off (a client may
 put a key there, `?api_key=...`) and request bodies (and their cache_salt) never reach a log.
@@ -96,13 +97,12 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-    import uvicorn
-
     from engine.async_engine import AsyncEngine
     from engine.errors import ModelNotFoundError
     from engine.model.files import resolve_model
     from metrics.log_stats import LoggingStatLogger
     from metrics.prometheus import PrometheusStatLogger
+    from server import supervise
     from server.app import create_app
     from server.public_prefix import read_public_prefix, render_public_prefix
 
@@ -175,7 +175,9 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
         app = create_app(
             engine, api_keys=api_keys, metrics=prometheus, tenancy=tenancy, limits=request_limits(args)
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config())
+        status = supervise.run(
+            app, engine, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config()
+        )
     finally:
         engine.shutdown()
-    return 0
+    return status

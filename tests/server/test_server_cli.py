@@ -106,16 +106,18 @@ def test_serve_wires_engine_metrics_and_app(
         seen["config"] = config
         return fake
 
-    def run(app: Any, host: str, port: int, log_level: str, log_config: dict) -> None:
+    def run(app: Any, engine: Any, *, host: str, port: int, log_level: str, log_config: dict) -> int:
         seen["uvicorn"] = (host, port, log_level)
         seen["access_filters"] = log_config["handlers"]["access"]["filters"]
         client = TestClient(app)
         seen["unauthorized"] = client.get("/v1/models").status_code
         seen["metrics"] = client.get("/metrics", headers={"Authorization": "Bearer k"}).text
+        seen["engine"] = engine
+        return 0
 
     monkeypatch.setattr(model_files, "resolve_model", resolve)
     monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(from_config))
-    monkeypatch.setattr("uvicorn.run", run)
+    monkeypatch.setattr("server.supervise.run", run)
     caplog.set_level(logging.INFO)
     assert cli.main(["serve", "m", "--port", "9", "--api-key", "k", "--log-level", "warning"]) == 0
     config = seen["config"]
@@ -125,7 +127,21 @@ def test_serve_wires_engine_metrics_and_app(
     assert seen["uvicorn"] == ("127.0.0.1", 9, "warning")
     assert seen["access_filters"] == ["drop_query_string"]  # the access log drops query strings
     assert seen["unauthorized"] == 401 and "brine_kv_cache_usage_perc" in seen["metrics"]
+    assert seen["engine"] is fake  # watched: its death ends the server
     assert not fake.healthy  # shut down when uvicorn returned
+
+
+def test_serve_exits_with_the_supervisors_status(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A dead engine's status reaches `brine`'s exit code (the console script exits with main's value)."""
+    from server import supervise
+
+    fake = FakeEngine(model_name="served", num_blocks=10, block_size=16)
+    monkeypatch.setattr(model_files, "resolve_model", lambda n: model_files.ModelFiles("x", tmp_path, "src"))
+    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config: fake))
+    monkeypatch.setattr("server.supervise.run", lambda *a, **k: supervise.EXIT_ENGINE_DEAD)
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    assert cli.main(["serve"]) == supervise.EXIT_ENGINE_DEAD
+    assert not fake.healthy
 
 
 def test_serve_logs_what_it_loaded(
@@ -139,7 +155,7 @@ def test_serve_logs_what_it_loaded(
         return fake
 
     monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(from_config))
-    monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
+    monkeypatch.setattr("server.supervise.run", lambda *a, **k: 0)
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)  # keep caplog's handler
     caplog.set_level(logging.INFO, logger="brine.serve")
     cli.main(["serve", "--no-enable-prefix-caching"])
@@ -170,12 +186,13 @@ def test_serve_with_tenants_and_public_prefixes(
     monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config: fake))
     seen: dict[str, Any] = {}
 
-    def run(app: Any, host: str, port: int, log_level: str, log_config: dict) -> None:
+    def run(app: Any, engine: Any, *, host: str, port: int, log_level: str, log_config: dict) -> int:
         client = TestClient(app)
         seen["tenant_metrics"] = client.get("/metrics", headers={"Authorization": "Bearer tk"}).status_code
         seen["tenant_models"] = client.get("/v1/models", headers={"Authorization": "Bearer tk"}).status_code
+        return 0
 
-    monkeypatch.setattr("uvicorn.run", run)
+    monkeypatch.setattr("server.supervise.run", run)
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
     caplog.set_level(logging.INFO, logger="brine.serve")
     tenants = tmp_path / "tenants.txt"
