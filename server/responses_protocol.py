@@ -14,17 +14,11 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from server.protocol import _INT64_MAX, _INT64_MIN, CACHE_SALT_CODE, CacheSalt, _Request
+from server.protocol import _INT64_MAX, _INT64_MIN, CACHE_SALT_CODE, CacheSalt, PromptCacheKey, _Request
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-MAX_PROMPT_CACHE_KEY_CHARS = 1024
-PROMPT_CACHE_KEY_DOC = (
-    "A routing hint, never an isolation key: accepted (1 to 1024 characters) and echoed on the response "
-    "object, but the prefix cache stays partitioned by tenant and cache_salt only. A router in front of "
-    "several replicas can pin requests with one key to one replica (README: More than one replica)."
-)
 
 
 class TextFormat(_Request):
@@ -61,9 +55,7 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = True
     text: TextConfig | None = None
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
-    prompt_cache_key: str | None = Field(
-        default=None, min_length=1, max_length=MAX_PROMPT_CACHE_KEY_CHARS, description=PROMPT_CACHE_KEY_DOC
-    )
+    prompt_cache_key: PromptCacheKey = None  # echoed on the response object, as OpenAI does
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     cache_salt: CacheSalt = None
     # Refused when set (Brine has no background jobs, no server-side conversations, no logprobs here).
