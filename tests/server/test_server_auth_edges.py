@@ -25,7 +25,8 @@ def test_the_401_says_how_to_authenticate(engine: FakeEngine) -> None:
     assert r.headers["www-authenticate"] == "Bearer"
     assert r.json() == {
         "error": {
-            "message": "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.",
+            "message": "Incorrect API key provided: pass it as 'Authorization: Bearer <key>' or "
+            "'x-api-key: <key>'.",
             "type": "invalid_request_error",
             "param": None,
             "code": "invalid_api_key",
