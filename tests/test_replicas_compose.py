@@ -13,6 +13,20 @@ from server.cli import build_parser
 COMPOSE = Path(__file__).resolve().parents[1] / "docker" / "replicas" / "compose.yaml"
 
 
+def test_the_event_sockets_are_on_a_network_no_client_reaches() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services, networks = compose["services"], compose["networks"]
+    for name in ("brine-1", "brine-2"):
+        (net,) = services[name]["networks"]
+        assert networks[net].get("internal") is True, "the replicas' network must have no way out or in"
+        assert "ports" not in services[name]
+    router = services["router"]
+    assert set(router["networks"]) == {"clients", "replicas"} and "internal" not in networks["clients"]
+    assert all(p.startswith("127.0.0.1:") for p in router["ports"]), "only the router is published"
+    text = COMPOSE.read_text()
+    assert "no client may reach them" in text  # the reason is said beside the setting
+
+
 def test_replicas_and_router_agree() -> None:
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     replicas = sorted(name for name in services if name.startswith("brine-"))

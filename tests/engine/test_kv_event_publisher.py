@@ -10,7 +10,7 @@ import pytest
 import zmq
 from engine_fakes import FakeRunner, make_core, run_to_completion
 
-from engine.kv_event_publisher import KVEventPublisher, replay_endpoint_for
+from engine.kv_event_publisher import KVEventPublisher, is_wildcard, replay_endpoint_for
 from engine.kv_event_wire import END_SEQ
 from engine.sampling_params import SamplingParams
 from kv_cache.stats import AllBlocksCleared, BlockRemoved, BlockStored
@@ -137,3 +137,112 @@ def test_engine_core_hands_each_steps_events_to_the_sink() -> None:
 def test_engine_core_without_sink_records_no_events() -> None:
     core = make_core()
     assert core.kv_event_sink is None and core.kv.take_events() == []
+
+
+class ManualPublisher(KVEventPublisher):
+    """A publisher whose thread only waits to close the sockets: the test drives `_turn` itself, one turn at
+    a time, so what one turn does is observed exactly (the sockets are used by one thread at a time)."""
+
+    def _run(self) -> None:
+        self._stopping.wait()
+        self._close_sockets()
+
+
+def _removed(i: int) -> list:
+    return [BlockRemoved([bytes([i]) * 32])]
+
+
+def test_a_full_queue_drops_the_oldest_batch_and_never_blocks_the_engine() -> None:
+    pub = ManualPublisher(f"tcp://127.0.0.1:{free_port()}", max_queued_batches=4)
+    try:
+        for i in range(10):  # nothing drains the queue: an unbounded one would hold all 10
+            pub.publish(_removed(i))
+        assert pub.dropped_batches == 6
+        kept = [pub._queue.get_nowait()[1][0].block_hashes[0][0] for _ in range(pub._queue.qsize())]
+        assert kept == [6, 7, 8, 9]  # the newest batches
+    finally:
+        pub.shutdown()
+
+
+def test_one_turn_serves_one_replay_request_and_the_queued_batches() -> None:
+    pub = ManualPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", buffer_steps=100
+    )
+    assert pub._replay is not None and pub.replay_endpoint is not None
+    assert pub._replay.getsockopt(zmq.RCVHWM) == 16  # pending replay requests are bounded
+    ctx = zmq.Context()
+    sub = _subscribe(ctx, pub.endpoint)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 300)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        for i in range(5):
+            pub.publish(_removed(i))
+        assert pub._turn(wait=0)
+        assert [int.from_bytes(sub.recv_multipart()[1], "big") for _ in range(5)] == [0, 1, 2, 3, 4]
+        for _ in range(10):  # a flood of replay requests, each answered with the whole buffer
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert pub._replay.poll(TIMEOUT_MS)
+        time.sleep(0.2)
+        for i in range(5, 8):
+            pub.publish(_removed(i))
+        assert pub._turn(wait=0)
+        # The live batches went out in the same turn as one replay, not after the ten.
+        assert [int.from_bytes(sub.recv_multipart()[1], "big") for _ in range(3)] == [5, 6, 7]
+        answer = [dealer.recv_multipart() for _ in range(6)]
+        assert [f[1] for f in answer][-1] == END_SEQ
+        with pytest.raises(zmq.Again):  # the other nine wait for later turns
+            dealer.recv_multipart()
+        for _ in range(9):
+            pub._turn(wait=0)
+        ends = 0
+        while ends < 9:
+            ends += dealer.recv_multipart()[1] == END_SEQ
+    finally:
+        dealer.close()
+        sub.close()
+        pub.shutdown()
+        ctx.term()
+
+
+def test_shutdown_sends_what_is_queued() -> None:
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}")
+    ctx = zmq.Context()
+    sub = _subscribe(ctx, pub.endpoint)
+    for i in range(3):
+        pub.publish(_removed(i))
+    pub.shutdown()
+    assert [int.from_bytes(sub.recv_multipart()[1], "big") for _ in range(3)] == [0, 1, 2]
+    sub.close()
+    ctx.term()
+
+
+@pytest.mark.parametrize("host", ["*", "0.0.0.0"])
+def test_a_wildcard_bind_is_logged_as_a_warning(host: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="engine.kv_event_publisher"):
+        pub = KVEventPublisher(f"tcp://{host}:{free_port()}")
+        pub.shutdown()
+    assert any("every interface" in r.getMessage() for r in caplog.records)
+
+
+def test_a_loopback_bind_is_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="engine.kv_event_publisher"):
+        pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        pub.shutdown()
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "wild"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://0.0.0.0:5557", True),
+        ("tcp://[::]:5557", True),
+        ("tcp://127.0.0.1:5557", False),
+        ("tcp://10.0.0.2:5557", False),
+        ("tcp://brine-1:5557", False),
+    ],
+)
+def test_is_wildcard(endpoint: str, wild: bool) -> None:
+    assert is_wildcard(endpoint) is wild
