@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer <key>' on every route but GET/HEAD /health (/docs and /openapi.json "
         "included); repeat for several keys. The BRINE_API_KEY environment variable adds one more.",
     )
+    s.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve with no API key (and no --tenants) on an address other than loopback; without it such a "
+        "server refuses to start, so an image or a copied command line never serves everyone by accident",
+    )
     limits = s.add_argument_group(
         "per-request limits", "what one request may ask for; more is a 400 naming the parameter"
     )

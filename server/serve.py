@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import ipaddress
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,33 @@ def _tenancy(args: argparse.Namespace, api_keys: list[str]) -> TenancyConfig:
     return TenancyConfig(tenants, args.salt_header, args.require_cache_salt)
 
 
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def auth_mode(args: argparse.Namespace, api_keys: list[str], tenancy: TenancyConfig) -> str:
+    """How clients are authenticated, as the startup log says it; ValueError when the server would serve
+    every route to anyone on an address others reach and the operator did not say so (--allow-unauthenticated).
+    """
+    if api_keys or tenancy.tenants is not None:
+        tenant_keys = len(tenancy.tenants) if tenancy.tenants is not None else 0
+        return f"required ({len(api_keys)} operator key(s), {tenant_keys} tenant key(s))"
+    if args.allow_unauthenticated:
+        return "not required (--allow-unauthenticated: anyone who reaches the port may use every route)"
+    if is_loopback(args.host):
+        return "not required (listening on loopback only)"
+    raise ValueError(
+        f"refusing to serve {args.host} without an API key: set BRINE_API_KEY (or --api-key, or --tenants), "
+        "or pass --allow-unauthenticated to serve everyone who reaches the port"
+    )
+
+
 def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
@@ -109,6 +137,7 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     # Configuration files first: a bad line refuses to start before the (slow) model load.
     try:
         tenancy = _tenancy(args, api_keys)
+        auth = auth_mode(args, api_keys, tenancy)
         prefixes = [read_public_prefix(p) for p in args.public_prefix]
     except ValueError as exc:
         logger.error("%s", exc)
@@ -153,12 +182,7 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
             _kv_summary(engine),
             _prefix_caching_summary(args.enable_prefix_caching, engine.enable_prefix_caching),
         )
-        logger.info(
-            "API key %s; listening on http://%s:%d",
-            f"required ({len(api_keys)} key(s))" if api_keys else "not required",
-            args.host,
-            args.port,
-        )
+        logger.info("API key %s; listening on http://%s:%d", auth, args.host, args.port)
         if tenancy.tenants is not None:
             # Counts only: the log never names a tenant.
             logger.info(
