@@ -89,6 +89,9 @@ def to_chat(
         messages.append({"role": "system", "content": [walk.part(b) for b in req.system]})
     for i, message in enumerate(req.messages):
         messages.extend(walk.message(message.role, message.content, i))
+    if req.cache_control is not None:  # top-level: on the last block, whatever it is
+        walk.count += 1
+        walk.breakpoint = Breakpoint(walk.item, req.cache_control.ttl or "5m")
     if walk.count > MAX_CACHE_BREAKPOINTS:
         raise bad_request(
             f"A request may have at most {MAX_CACHE_BREAKPOINTS} blocks with cache_control, got {walk.count}.",

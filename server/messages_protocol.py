@@ -4,7 +4,8 @@ response shapes `/openapi.json` documents for them, as pydantic v2 models.
 What is accepted: `system` as a string or text blocks; `messages` whose content is a string or text,
 `tool_use` and `tool_result` blocks; `tools` (custom tools with an `input_schema`) and `tool_choice` (`auto`,
 `any`, `tool` by name, `none`); `cache_control` (`{"type": "ephemeral"}`, optional `ttl` "5m" | "1h") on
-system, message and tool blocks, at most 4 per request as Anthropic allows; Brine's `cache_salt` as an extra.
+system, message and tool blocks, at most 4 per request as Anthropic allows, and top-level (a breakpoint on the
+last block); Brine's `cache_salt` as an extra.
 A block type Brine cannot honour (images, documents, thinking, server tools) is a 400 naming the field,
 never silently dropped. Unknown top-level fields are ignored and logged, as on the OpenAI routes.
 """
@@ -91,6 +92,8 @@ class _MessagesFields(_Request):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    # Anthropic's automatic caching: a breakpoint on the request's last block.
+    cache_control: CacheControl | None = None
     cache_salt: CacheSalt = None
 
     @field_validator("cache_salt", mode="before")
