@@ -232,11 +232,13 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._dead is None
 
-    def reset_prefix_cache(self) -> bool:
-        """False while requests hold blocks. Waits for the current step to end; on success the stat loggers
-        see the emptied cache at once (the core records it under the lock, never during a step)."""
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """False while requests hold blocks, unless `force` (their blocks then lose their hashes and keep
+        serving: an answer that does not depend on others' activity). Waits for the current step to end; on
+        success the stat loggers see the emptied cache at once (the core records it under the lock, never
+        during a step)."""
         with self._core_lock:
-            done = self._core.reset_prefix_cache()
+            done = self._core.reset_prefix_cache(force)
         if done:
             self.tokenizer.forget_pieces()  # nor may a prompt's tokenizing tell that it was sent before
         return done

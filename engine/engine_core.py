@@ -143,11 +143,12 @@ class EngineCore:
         """Aborts every sequence of a request now (its blocks are freed). Unknown ids: nothing."""
         return self.outputs.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix; False (nothing changes) while a request holds blocks. A reset is
-        recorded to the stat loggers at once: the engine may stay idle for long (no step, no record), and
-        `/metrics` would show the old cache until the next request."""
-        if not self.kv.reset_prefix_cache():
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forgets every cached prefix; False (nothing changes) while a request holds blocks, unless `force`
+        (blocks in use then lose their hashes and keep serving). A reset is recorded to the stat loggers at
+        once: the engine may stay idle for long (no step, no record), and `/metrics` would show the old cache
+        until the next request."""
+        if not self.kv.reset_prefix_cache(force):
             return False
         self._publish_events()
         self._record_stats(IterationStats(), prefix_cache_reset=True)

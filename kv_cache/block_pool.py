@@ -239,10 +239,17 @@ class BlockPool:
         any later pass can look them up."""
         self.fresh.clear()
 
-    def reset(self) -> bool:
-        """Drop every hash; refused (False, nothing changed) while any block is in use."""
+    def reset(self, force: bool = False) -> bool:
+        """Drop every hash; refused (False, nothing changed) while any block is in use, unless `force`: then
+        blocks in use lose their hash too and keep serving their requests (as forget() leaves them)."""
         if len(self._free) != self.num_blocks:
-            return False
+            if not force:
+                return False
+            ref_cnt, block_hash = self.ref_cnt, self.block_hash
+            in_use = [b for b in range(self.num_blocks) if ref_cnt[b]]
+            forgotten = {b for b in in_use if block_hash[b] is not None or b in self.forgotten}
+        else:
+            forgotten = set()
         self.block_hash[:] = [None] * self.num_blocks  # in place: callers may hold the list
         self.block_owner[:] = [None] * self.num_blocks
         self._owned.clear()
@@ -250,7 +257,7 @@ class BlockPool:
         self.tail_tokens[:] = [()] * self.num_blocks
         self._tails.clear()
         self.fresh.clear()
-        self.forgotten.clear()
+        self.forgotten = forgotten
         self._cached.clear()
         self._dups.clear()
         self.num_cached_blocks = 0

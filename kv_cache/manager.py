@@ -288,9 +288,10 @@ class KVCacheManager:
         self.block_pool.end_pass()
         return copies
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; False (nothing changes) while any block is in use."""
-        return self.block_pool.reset()
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forget every cached hash; False (nothing changes) while any block is in use, unless `force`: then
+        blocks in use keep serving their requests without a hash, as after forget()."""
+        return self.block_pool.reset(force)
 
     def forget(self, owner: Owner) -> int:
         """Forget every cached block of `owner`'s private namespace (a tenant's reset), in use or not; returns

@@ -92,6 +92,7 @@ def create_app(
     # Always installed: with no keys (and no tenants) it lets HTTP through, and still refuses WebSockets and
     # other scopes.
     app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), tenants=tenancy.tenants)
+    keyless = not any(api_keys) and tenancy.tenants is None  # every caller is anonymous
     app.state.limits = limits or RequestLimits()
     created = now()
 
@@ -221,8 +222,10 @@ def create_app(
             # A tenant's reset: its own private blocks only, in use or not (never refused with a 409).
             forgotten = await anyio.to_thread.run_sync(engine.forget_prefix_cache, owner)
             return {"reset": True, "forgotten_blocks": forgotten}
-        # The real engine waits for the current step to end: keep that wait off the event loop.
-        if not await anyio.to_thread.run_sync(engine.reset_prefix_cache):
+        # The real engine waits for the current step to end: keep that wait off the event loop. On a server
+        # without keys anyone may ask, so a 409 would tell any caller that others are running: there the
+        # reset is forced (blocks in use lose their hashes and keep serving) and always succeeds.
+        if not await anyio.to_thread.run_sync(engine.reset_prefix_cache, keyless):
             raise APIError(
                 "The prefix cache cannot be reset while requests hold KV blocks; retry when idle.",
                 status=409,

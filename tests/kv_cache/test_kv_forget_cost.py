@@ -65,3 +65,26 @@ def test_the_owner_index_follows_eviction_and_reset() -> None:
     assert mgr.reset_prefix_cache()
     mgr.check_invariants()
     assert mgr.forget(("tenant", "b")) == 0
+
+
+def test_a_forced_reset_drops_every_hash_and_the_blocks_in_use_keep_serving() -> None:
+    mgr = KVCacheManager(64, BS, enable_events=True)
+    prompt = list(range(1, 3 * BS + 2))
+    running = FakeRequest("run", list(prompt), mgr.make_hasher(None, prompt))
+    done = FakeRequest("done", [p + 50 for p in prompt], mgr.make_hasher(None, [p + 50 for p in prompt]))
+    admit(mgr, running)
+    admit(mgr, done)
+    mgr.free(done)
+    assert not mgr.reset_prefix_cache()  # in use: refused unless forced
+    mgr.take_events()
+    assert mgr.reset_prefix_cache(force=True)
+    mgr.check_invariants()
+    assert mgr.num_cached_blocks == 0
+    assert [type(e).__name__ for e in mgr.take_events()] == ["AllBlocksCleared"]
+    again = FakeRequest("again", list(prompt), mgr.make_hasher(None, prompt))
+    assert mgr.get_computed_blocks(again).num_tokens == 0  # nothing of the running prompt is findable
+    running.append(*range(100, 100 + BS))  # it goes on: its next full block is cached as usual
+    assert mgr.allocate_slots(running, BS) is not None
+    running.num_computed_tokens += BS
+    mgr.check_invariants()
+    release(mgr, running)

@@ -159,8 +159,8 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy
 
-    def reset_prefix_cache(self) -> bool:
-        if self._held:
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        if self._held and not force:
             return False
         self._cached.clear()
         return True

@@ -62,28 +62,47 @@ def test_tokenize_errors(client: TestClient) -> None:
     assert_error(client.post("/detokenize", json={"tokens": ["a"]}), 400, "tokens")
 
 
+KEY = "operator-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def test_reset_prefix_cache_asks_the_engine_and_reports_its_answer(
-    client: TestClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # That a reset empties the cache is the engine's claim (tests/engine/test_async_engine.py); the route's
-    # part is to ask it once per call and to report what it said.
+    # part is to ask it once per call and to report what it said. An operator's (keyed) reset is not forced.
     answers = [True, False]
     asked: list[bool] = []
 
-    def reset() -> bool:
-        asked.append(answers[len(asked)])
-        return asked[-1]
+    def reset(force: bool = False) -> bool:
+        asked.append(force)
+        return answers[len(asked) - 1]
+
+    monkeypatch.setattr(engine, "reset_prefix_cache", reset)
+    client = TestClient(create_app(engine, api_keys=[KEY]))
+    assert client.post("/reset_prefix_cache", headers=AUTH).json() == {"reset": True}
+    assert_error(client.post("/reset_prefix_cache", headers=AUTH), 409, code="prefix_cache_in_use")
+    assert asked == [False, False]
+
+
+def test_a_keyless_servers_reset_is_forced(
+    client: TestClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[bool] = []
+
+    def reset(force: bool = False) -> bool:
+        asked.append(force)
+        return True
 
     monkeypatch.setattr(engine, "reset_prefix_cache", reset)
     assert client.post("/reset_prefix_cache").json() == {"reset": True}
-    assert_error(client.post("/reset_prefix_cache"), 409, code="prefix_cache_in_use")
-    assert asked == [True, False]
+    assert asked == [True]
 
 
-async def test_reset_prefix_cache_conflicts_with_running_requests() -> None:
+async def test_reset_prefix_cache_conflicts_with_running_requests_for_the_operator() -> None:
     engine = FakeEngine(step_delay=0.01)
-    transport = httpx.ASGITransport(app=create_app(engine))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+    transport = httpx.ASGITransport(app=create_app(engine, api_keys=[KEY]))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=AUTH) as client:
         running = asyncio.create_task(client.post("/v1/completions", json=completion_body(max_tokens=40)))
         while not engine.running:
             await asyncio.sleep(0.005)
@@ -91,3 +110,17 @@ async def test_reset_prefix_cache_conflicts_with_running_requests() -> None:
         assert_error(r, 409, code="prefix_cache_in_use")
         assert (await running).status_code == 200
         assert (await client.post("/reset_prefix_cache")).status_code == 200
+
+
+async def test_a_keyless_reset_answers_the_same_whether_or_not_others_run() -> None:
+    # Anyone may reset a server without keys: a 409 would tell any caller that someone else is running.
+    engine = FakeEngine(step_delay=0.01)
+    transport = httpx.ASGITransport(app=create_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        idle = await client.post("/reset_prefix_cache")
+        running = asyncio.create_task(client.post("/v1/completions", json=completion_body(max_tokens=40)))
+        while not engine.running:
+            await asyncio.sleep(0.005)
+        busy = await client.post("/reset_prefix_cache")
+        assert (idle.status_code, idle.json()) == (busy.status_code, busy.json()) == (200, {"reset": True})
+        assert (await running).status_code == 200  # the running request is untouched
