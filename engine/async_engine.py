@@ -21,14 +21,21 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.grammar_sandbox import CompileSandbox
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.structured_output import CompiledGrammar, GrammarCompiler, StructuredOutputError
+from engine.structured_output import (
+    CompiledGrammar,
+    GrammarCompiler,
+    StructuredOutputError,
+    tokenizer_info,
+)
 from engine.threads import default_torch_threads, on_fresh_thread, set_torch_threads
 from engine.tokenizer import Tokenizer
 from kv_cache.namespace import CacheNamespace, Owner
@@ -96,9 +103,17 @@ class AsyncEngine:
         self._core = core
         self.kv_events = kv_events
         self._grammars = grammars
+        # Compiles get a pool of their own (never the default executor, which tokenizing shares), as many
+        # threads as the compiler runs compiles at once: a slow schema holds back only other compiles.
+        self._compile_pool = (
+            ThreadPoolExecutor(grammars.workers, thread_name_prefix="brine-grammar-compile")
+            if grammars is not None
+            else None
+        )
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = core.max_model_len
+        self.vocab_size = core.vocab_size  # the ids a prompt may hold (the smaller of model's and tokenizer's)
         self.enable_prefix_caching = core.enable_prefix_caching
         self.num_blocks = core.kv.num_blocks  # KV cache size, for the startup log
         self.block_size = core.kv.block_size
@@ -155,8 +170,21 @@ class AsyncEngine:
 
         grammars: GrammarCompiler | None = None
         try:
-            grammars = GrammarCompiler.from_tokenizer(
-                tokenizer.hf, runner.vocab_size, tokenizer.eos_token_ids, on_compile=on_compile
+            info = tokenizer_info(tokenizer.hf, runner.vocab_size, tokenizer.eos_token_ids)
+            budget_s = config.grammar_mask_budget_ms / 1e3
+            sandbox = CompileSandbox(
+                info,
+                workers=config.grammar_compile_workers,
+                timeout_s=config.grammar_compile_timeout,
+                mask_budget_s=budget_s,
+            )
+            sandbox.prestart()  # booting beside the model's warm-up, not in the first request's time
+            grammars = GrammarCompiler(
+                info,
+                cache_bytes=config.grammar_cache_memory,
+                mask_budget_s=budget_s,
+                sandbox=sandbox,
+                on_compile=on_compile,
             )
         except Exception:  # a tokenizer xgrammar cannot read: serve, but refuse structured outputs
             logger.exception("structured outputs disabled: the grammar engine cannot use this tokenizer")
@@ -187,7 +215,7 @@ class AsyncEngine:
         share when they have no namespace. With one, the engine shares by the namespace (its tenant, gateway
         value or salt: `engine.request.fair_share_key`). Default: this request alone."""
         self._core.check_request(prompt_token_ids, params)
-        grammar = await self._compile(params)
+        grammar = await self._compile(params, namespace)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
@@ -211,9 +239,12 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(_Abort(request_id))
 
-    async def _compile(self, params: SamplingParams) -> CompiledGrammar | None:
-        """The request's grammar, compiled (or found in the cache) in a worker thread, so that the step thread
-        never waits for a compilation. StructuredOutputError (a ValueError: the client's 400) if it cannot."""
+    async def _compile(
+        self, params: SamplingParams, namespace: CacheNamespace | None
+    ) -> CompiledGrammar | None:
+        """The request's grammar, found in its namespace's cache or compiled on the compile pool, so that
+        neither the step thread nor the event loop waits for a compilation. StructuredOutputError (a
+        ValueError: the client's 400) if it cannot; a caller that goes away (cancelled) kills its compile."""
         spec = params.structured
         if spec is None:
             return None
@@ -223,7 +254,19 @@ class AsyncEngine:
             count = getattr(stat_logger, "count_structured_output", None)
             if count is not None:
                 count(spec.kind)
-        return await asyncio.to_thread(self._grammars.compile, spec)
+        hit = self._grammars.cached(spec, namespace)
+        if hit is not None:
+            return hit
+        assert self._compile_pool is not None
+        cancel = threading.Event()
+        pending = asyncio.get_running_loop().run_in_executor(
+            self._compile_pool, self._grammars.compile, spec, namespace, cancel
+        )
+        try:
+            return await pending
+        except asyncio.CancelledError:
+            cancel.set()  # queued: never starts; compiling: its worker process is killed
+            raise
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its generate() ends with finish_reason "abort"."""
@@ -241,12 +284,16 @@ class AsyncEngine:
             done = self._core.reset_prefix_cache(force)
         if done:
             self.tokenizer.forget_pieces()  # nor may a prompt's tokenizing tell that it was sent before
+            if self._grammars is not None:
+                self._grammars.forget()  # nor a schema's compile
         return done
 
     def forget_prefix_cache(self, owner: Owner) -> int:
         """Forgets one tenant's cached private blocks (`CacheNamespace.owner`), even while requests run;
         returns how many. Public-prefix blocks and other tenants' blocks stay."""
         self.tokenizer.forget_pieces(owner)
+        if self._grammars is not None:
+            self._grammars.forget(owner)
         with self._core_lock:
             return self._core.forget_prefix_cache(owner)
 
@@ -269,6 +316,10 @@ class AsyncEngine:
             self._inbox.put(_Stop())
             self._thread.join(timeout=30)
         self._fail_all("the engine was shut down")
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        if self._grammars is not None:
+            self._grammars.close()
         if self.kv_events is not None:
             self.kv_events.shutdown()
 

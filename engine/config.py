@@ -4,8 +4,9 @@ or by a test or benchmark) and passed whole to the components, each of which rea
 - `ModelRunner`: model, device, dtype, block_size, kv_cache_memory, num_blocks, max_num_batched_tokens,
   max_num_seqs (to size attention buffers), batch_invariant, quantization, enforce_eager;
 - `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, stat_loggers;
-- `Scheduler`: max_num_seqs, max_num_batched_tokens, max_model_len;
-- `AsyncEngine.from_config`: served_model_name, kv_events_endpoint, threads.
+- `Scheduler`: max_num_seqs, max_num_batched_tokens, max_model_len, speculative_config;
+- `AsyncEngine.from_config`: served_model_name, kv_events_endpoint, threads, and the grammar engine's
+  grammar_compile_workers, grammar_compile_timeout, grammar_cache_memory, grammar_mask_budget_ms.
 
 A new engine setting is a field here, its flag in `server.cli` (with the field's name as `dest`), and its one
 reader; nothing between them re-lists it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.spec_config import SpeculativeConfig
 from metrics.stats import StatLogger
 
 
@@ -39,4 +41,13 @@ class EngineConfig:
     )
     kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
     threads: int | None = None  # torch's intra-op threads (engine.threads); None: torch's default
+    # Structured outputs (engine.structured_output, engine.grammar_sandbox): compiles run in this many worker
+    # processes at once, each at most this long (seconds); compiled grammars are kept up to this many bytes;
+    # a grammar whose mask costs more CPU per token than this is refused, or its sequence fails.
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_memory: int = 256 * 1024 * 1024
+    grammar_mask_budget_ms: float = 10.0
+    # Prompt-lookup speculative decoding (engine.spec_decode); None: off. Same tokens either way, only faster.
+    speculative_config: SpeculativeConfig | None = None
     stat_loggers: list[StatLogger] = field(default_factory=list)

@@ -5,8 +5,9 @@ once, sends them with one host->device copy (input ids, positions, slots and log
 tensor), runs the model, samples, and brings every result back with one device->host sync (tokens and
 logprobs packed into one float64 tensor: token ids are exact in float64).
 
-Rows of the logits, in order: one per request that samples (its last new token), then for requests asking
-prompt logprobs, one per new token whose next token is still a prompt token.
+Rows of the logits, in order: one per request that samples (its last new token; a request with speculative
+drafts, one per draft and one before them: engine.spec_verify), then for requests asking prompt logprobs, one
+per new token whose next token is still a prompt token.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.grammar_masks import MaskFiller, StepMasks
 from engine.kv_store import KVStore
 from engine.model.attention import AttentionMetadata, slot_ids
 from engine.model.cpu_linear import PackedLinear
@@ -29,6 +31,7 @@ from engine.model.quant_linear import QuantLinear
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.sampler import INVALID_TOKEN, LogprobsOut, Sampler, SamplerOutput, token_logprobs
+from engine.spec_verify import accept, sampling_rows
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,7 @@ class ModelRunner:
             batch_invariant=batch_invariant,
         )
         self.sampler = Sampler(self.device, cfg.vocab_size, cfg.eos_token_ids)
+        self.grammar_masks = MaskFiller(cfg.vocab_size)
         self.model.native_stack, why_not = (
             (None, "--enforce-eager") if config.enforce_eager else NativeStack.build(self.model)
         )
@@ -133,7 +137,9 @@ class ModelRunner:
         if not reqs:
             return RunnerOutput({}, errors=errors)
         step = self._prepare(reqs)
-        result = self._sample(step, self._run(step))
+        # Grammar masks are filled on their own thread while the forward runs (engine.grammar_masks).
+        with self.grammar_masks.filling(step.sampling) as masks:
+            result = self._sample(step, self._run(step), masks)
         result.errors.update(errors)
         return result
 
@@ -162,8 +168,8 @@ class ModelRunner:
             input_ids += r.new_token_ids
             positions += range(start, ctx)
             slots += slot_ids(r.block_ids, start, ctx, bs)
-            if r.sample:
-                sample_rows.append(row0 + n - 1)
+            if r.sample:  # the last token's row, after those of the drafts' positions
+                sample_rows += range(row0 + n - 1 - len(r.draft_token_ids), row0 + n)
             if r.sampling_params.prompt_logprobs is not None:
                 # rows whose next token is still a prompt token
                 count = min(ctx, r.num_prompt_tokens - 1) - start
@@ -181,8 +187,8 @@ class ModelRunner:
             slot_mapping=dev[2 * t : 3 * t],
             is_causal=self.is_causal,
         )
-        sampling = [r for r in reqs if r.sample]
-        return _Step(dev[:t], dev[t : 2 * t], meta, dev[3 * t :], sampling, prompt_spans)
+        sampling, drafted = sampling_rows(reqs)
+        return _Step(dev[:t], dev[t : 2 * t], meta, dev[3 * t :], sampling, prompt_spans, drafted)
 
     def _run(self, step: _Step) -> torch.Tensor:
         """The model over the step: [sampling rows + prompt-logprob rows, vocab] float32 logits."""
@@ -190,12 +196,12 @@ class ModelRunner:
             step.input_ids, step.positions, step.meta, self.kv.k_caches, self.kv.v_caches, step.logits_indices
         )
 
-    def _sample(self, step: _Step, logits: torch.Tensor) -> RunnerOutput:
+    def _sample(self, step: _Step, logits: torch.Tensor, masks: StepMasks | None = None) -> RunnerOutput:
         """Sampled tokens and logprobs, brought back with the step's one device->host sync."""
         sampling, prompt_spans = step.sampling, step.prompt_spans
         ns = len(sampling)
         parts: list[torch.Tensor] = []
-        sampled = self.sampler(logits[:ns], sampling) if sampling else None
+        sampled = self.sampler(logits[:ns], sampling, masks) if sampling else None
         if sampled is not None:
             parts.append(sampled.token_ids)
             if sampled.logprobs is not None:
@@ -211,7 +217,7 @@ class ModelRunner:
             parts += _flat(prompt_lp)
         # The step's only device->host sync: every result in one float64 tensor (token ids are exact).
         values = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist() if parts else []
-        return _unpack(values, sampling, sampled, prompt_spans, targets, prompt_lp)
+        return _unpack(values, sampling, sampled, prompt_spans, targets, prompt_lp, step.drafted)
 
 
 @dataclass(slots=True)
@@ -222,8 +228,9 @@ class _Step:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N]: one row per sampling request, then the prompt-logprob rows
-    sampling: list[ScheduledRequest]  # the requests that sample, in row order
+    sampling: list[ScheduledRequest]  # the requests that sample, in row order (one per verified position)
     prompt_spans: list[tuple[ScheduledRequest, int, int]]  # (request, first prompt row, count)
+    drafted: list[tuple[ScheduledRequest, int]]  # requests with drafts: (request, first of its sampling rows)
 
 
 def _unpack(
@@ -233,6 +240,7 @@ def _unpack(
     prompt_spans: list[tuple[ScheduledRequest, int, int]],
     prompt_targets: list[int],
     prompt_lp: LogprobsOut | None,
+    drafted: list[tuple[ScheduledRequest, int]],
 ) -> RunnerOutput:
     """Split the one synced list back into records, in the order execute() packed them."""
     pos = 0
@@ -245,7 +253,11 @@ def _unpack(
     result = RunnerOutput({})
     if sampled is not None:
         tokens = [int(x) for x in take(len(sampling))]
-        for r, tok in zip(sampling, tokens, strict=True):
+        verified = {first + i for r, first in drafted for i in range(len(r.draft_token_ids) + 1)}
+        by_row: dict[int, TokenLogprob] = {}
+        for row, (r, tok) in enumerate(zip(sampling, tokens, strict=True)):
+            if row in verified:
+                continue  # below, once its logprobs are read too
             if tok == INVALID_TOKEN:
                 result.errors[r.request_id] = (
                     "no token could be sampled: no logit was finite after penalties, temperature and masks"
@@ -260,7 +272,17 @@ def _unpack(
                 [sampling[i].sampling_params.logprobs or 0 for i in sampled.logprob_rows],
             )
             for i, rec in zip(sampled.logprob_rows, records, strict=True):
-                result.logprobs[sampling[i].request_id] = rec
+                if i not in verified:
+                    result.logprobs[sampling[i].request_id] = rec
+            by_row = dict(zip(sampled.logprob_rows, records, strict=True))
+        for r, first in drafted:
+            span = range(first, first + len(r.draft_token_ids) + 1)
+            lps = [by_row[i] for i in span] if r.sampling_params.logprobs is not None else None
+            outcome = accept(r.draft_token_ids, tokens[span.start : span.stop], lps)
+            if isinstance(outcome, str):
+                result.errors[r.request_id] = outcome
+            else:
+                result.verified[r.request_id] = outcome
     if prompt_lp is not None:
         ks = [r.sampling_params.prompt_logprobs or 0 for r, _, c in prompt_spans for _ in range(c)]
         records = _records(take, prompt_lp, prompt_targets, ks)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar_masks import StepMasks, apply_masks
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import ScheduledRequest
 from engine.sampling_params import SamplingParams
-from engine.structured_output import apply_masks
 
 _MASK64 = (1 << 64) - 1
 # The id a row gets when it has nothing to sample: the runner fails that request alone (never a real token).
@@ -120,8 +120,11 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self._generator = torch.Generator(device=device)  # re-seeded per seeded row
 
-    def __call__(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SamplerOutput:
-        """logits: [N, vocab] float32, row i for reqs[i]."""
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], masks: StepMasks | None = None
+    ) -> SamplerOutput:
+        """logits: [N, vocab] float32, row i for reqs[i]. masks: the grammar masks of reqs, filled beside the
+        forward (engine.grammar_masks); None fills them here."""
         params = [r.sampling_params for r in reqs]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         rand = [i for i, p in enumerate(params) if not p.greedy]
@@ -140,7 +143,7 @@ class Sampler:
             (i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.active
         ]
         if constrained:
-            logits = apply_masks(logits, constrained, self.vocab_size)
+            logits = apply_masks(logits, constrained, self.vocab_size, masks)
         logits = self._apply_min_tokens(logits, reqs, {i for i, _ in constrained})
         # A row with no finite logit left (NaN from a penalty's overflow, +inf, or every token masked) has no
         # distribution: whatever argmax or the draw returned is not a token. Its id becomes INVALID_TOKEN (after
