@@ -5,11 +5,14 @@ stored responses that other salts cannot read."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 
 import openai
 import pytest
-from e2e_server import BrineServer
+from e2e_server import ROOT, BrineServer
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow  # the real server with the default model
@@ -201,3 +204,22 @@ async def test_an_agents_sdk_agent_calls_its_function_tool(brine_server: BrineSe
     result = await agents.Runner.run(agent, "What is the weather in Paris?")
     assert len(calls) == 1 and calls[0]
     assert result.final_output == f"Sunny in {calls[0]}."
+
+
+def test_readme_responses_example_runs_and_reads_the_first_turn_from_the_cache(
+    brine_server: BrineServer,
+) -> None:
+    section = (ROOT / "README.md").read_text().split("## OpenAI's Responses API", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "the README's Responses section has no python example"
+    code = match.group(1)
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="unused"' in code
+    code = code.replace("http://127.0.0.1:8000/v1", f"{brine_server.base_url}/v1")
+    code = code.replace('api_key="unused"', f'api_key="{brine_server.api_key}"')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})  # our own README, on purpose
+    printed = out.getvalue().rstrip("\n")
+    text, cached = printed.rsplit("\n", 1)
+    assert text.strip(), "the example printed no answer"
+    assert int(cached) > 0  # the second turn starts with the first, whole blocks of it cached
