@@ -144,7 +144,8 @@ def load_model(
 
 def quantizable_gguf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Path | None:
     """The GGUF that `model_dir` was converted from, where its quantized weights can run as stored here:
-    on the CPU, in bfloat16 or float32, with the kernel built for this CPU. None otherwise (logged)."""
+    on the CPU, in bfloat16 or float32, where Brine's kernels build (every CPU tier has the quantized linear).
+    None otherwise (logged)."""
     source = gguf_source(model_dir)
     if source is None or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -154,7 +155,7 @@ def quantizable_gguf(model_dir: Path, device: torch.device, dtype: torch.dtype) 
             "%s: its quantized weights are dequantized to %s: %s",
             source.name,
             dtype,
-            why or "this CPU lacks AVX512-BF16, which the quantized kernel needs",
+            why or "these kernels have no quantized linear",
         )
         return None
     return source

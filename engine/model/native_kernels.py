@@ -12,6 +12,12 @@ compiler's version and this CPU's feature flags, so a changed source or a moved 
 anew. A build writes a temporary file and renames it into place: concurrent starts never load half a file.
 Where no compiler is found or the build fails, `load()` returns None with the reason, and callers keep the
 pure-torch path (the log says which one runs).
+
+Tiers (csrc/simd.h): the same sources build for every CPU. `-march=native` picks this CPU's tier (AVX512-BF16,
+AVX512 without BF16, AVX2 + FMA, or the portable one with no intrinsics), and `TIERS` names explicit lower
+targets, so that any machine can build and test the tiers below its own (tests/engine/test_kernel_tiers.py).
+`BRINE_CPU_TIER=avx512|avx2|portable` makes Brine run as on such a CPU: the kernels are built for that target,
+and bfloat16 counts as not native (device.cpu_has_native_bf16), as on a CPU without AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -39,15 +45,27 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCE_NAMES = ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp", "decoder_stack.cpp")
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
-HEADERS = (CSRC / "dtypes.h",)  # included by the sources (found through -I CSRC): part of the cache key
+HEADERS = (
+    CSRC / "dtypes.h",
+    CSRC / "simd.h",
+)  # included by the sources (found through -I CSRC): part of the cache key
 # The dtype codes of csrc/dtypes.h. The attention takes all three; the quantized linear and the elementwise
 # kernels take float32 and bfloat16 only.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLOAT32_BF16_CODES = {dt: code for dt, code in DTYPE_CODES.items() if dt != torch.float16}
 ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
-QUANT_ABI = 1  # what brine_quant_linear_abi() must return
+QUANT_ABI = 2  # what brine_quant_linear_abi() must return
 STACK_ABI = 1  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# Explicit lower targets: the -march that replaces "native", and the /proc/cpuinfo flags a CPU needs to run it.
+# x86-64-v4 is AVX512F/BW/CD/DQ/VL without BF16 (Skylake-X and later), v3 is AVX2/FMA/F16C (Haswell and later);
+# the portable build is the baseline target, where the sources use no intrinsics at all.
+TIERS: dict[str, tuple[str | None, frozenset[str]]] = {
+    "avx512": ("-march=x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    "avx2": ("-march=x86-64-v3", frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),
+    "portable": ("-march=x86-64" if _X86 else None, frozenset()),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,8 @@ class Kernels:
     elementwise: Elementwise | None = None
     # The decoder layers in one call (see native_stack); None where the kernels it chains are missing.
     decoder_stack: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+    # What the library was compiled for: "avx512-bf16", "avx512", "avx2" or "portable" (csrc/simd.h).
+    tier: str = "unknown"
 
 
 def _cpu_id() -> str:
@@ -80,7 +100,35 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
-def _build(compiler: str, target: Path, csrc: Path | None = None) -> None:
+def tier_flags(tier: str | None) -> tuple[str, ...]:
+    """The compiler flags for `tier` (None: this CPU's own, -march=native)."""
+    if tier is None:
+        return FLAGS
+    march = TIERS[tier][0]
+    return tuple(f for f in FLAGS if f != "-march=native") + ((march,) if march else ())
+
+
+def runnable_tiers() -> list[str]:
+    """The explicit tiers this CPU can run (every one whose instructions it has), best first."""
+    if not _X86:
+        return ["portable"]
+    flags = cpu_flags()
+    return [tier for tier, (_, needs) in TIERS.items() if needs <= flags]
+
+
+def selected_tier() -> str | None:
+    """BRINE_CPU_TIER's tier (None: auto, this CPU's own); ValueError for an unknown or unrunnable one."""
+    name = os.environ.get("BRINE_CPU_TIER", "auto").strip().lower()
+    if name in ("", "auto", "native"):
+        return None
+    if name not in TIERS:
+        raise ValueError(f"BRINE_CPU_TIER must be auto, {', '.join(TIERS)}; got {name!r}")
+    if name not in runnable_tiers():
+        raise ValueError(f"BRINE_CPU_TIER={name}: this CPU lacks its instructions ({sorted(TIERS[name][1])})")
+    return name
+
+
+def _build(compiler: str, target: Path, csrc: Path | None = None, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile each source to an object file, all at once (one g++ per source: ~10 s in series, about half
     on two cores), then link them into `target` by way of a temporary file. `csrc`: another checkout's
     sources (build_baseline); by default this tree's SOURCES."""
@@ -89,7 +137,7 @@ def _build(compiler: str, target: Path, csrc: Path | None = None) -> None:
     csrc = CSRC if csrc is None else csrc
     with tempfile.TemporaryDirectory(prefix=target.name, dir=target.parent) as work:
         objects = [str(Path(work) / f"{src.stem}.o") for src in sources]
-        compile_flags = [f for f in FLAGS if f != "-shared"] + ["-I", str(csrc)]
+        compile_flags = [f for f in flags if f != "-shared"] + ["-I", str(csrc)]
         jobs = [
             subprocess.Popen(
                 [compiler, *compile_flags, "-c", "-o", obj, str(src)],
@@ -108,7 +156,7 @@ def _build(compiler: str, target: Path, csrc: Path | None = None) -> None:
             raise failed
         tmp = str(Path(work) / target.name)
         subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, *objects], check=True, capture_output=True, text=True, timeout=300
+            [compiler, *flags, "-o", tmp, *objects], check=True, capture_output=True, text=True, timeout=300
         )
         os.replace(tmp, target)
 
@@ -135,7 +183,9 @@ def _bind(path: Path) -> Kernels:
     fn.argtypes += [ctypes.c_float, i32]
     fn.restype = i32
     quant = None
-    if lib.brine_quant_linear_supported():
+    if (
+        lib.brine_quant_linear_supported()
+    ):  # (1 in every build of these sources; older ones: AVX512-BF16 only)
         quant = lib.brine_quant_linear
         quant.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, i64, i32, i32]
         quant.restype = i32
@@ -152,14 +202,27 @@ def _bind(path: Path) -> Kernels:
         stack = lib.brine_decoder_stack
         stack.argtypes = [ptr]
         stack.restype = i32
-    return Kernels(path, fn, quant, elementwise, stack)
+    tier = "unknown"
+    if hasattr(lib, "brine_kernel_tier"):  # (a baseline checkout's library may predate it)
+        lib.brine_kernel_tier.restype = ctypes.c_char_p
+        tier = lib.brine_kernel_tier().decode()
+    return Kernels(path, fn, quant, elementwise, stack, tier)
 
 
 @functools.cache
-def load() -> tuple[Kernels | None, str]:
-    """(the kernels, "") or (None, why not). Builds them on first use on this machine (~7 s)."""
+def load(tier: str | None = "env") -> tuple[Kernels | None, str]:
+    """(the kernels, "") or (None, why not). Builds them on first use on this machine (~7 s per tier).
+    `tier`: a TIERS name for that explicit target, None for this CPU's own, "env" (the default) for what
+    BRINE_CPU_TIER says (this CPU's own unless set)."""
     if os.environ.get("BRINE_NATIVE_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
         return None, "BRINE_NATIVE_KERNELS=0"
+    try:
+        tier = selected_tier() if tier == "env" else tier
+        if tier is not None and tier not in runnable_tiers():
+            return None, f"this CPU cannot run the {tier} tier"
+    except ValueError as e:
+        return None, str(e)
+    flags = tier_flags(tier)
     compiler = _compiler()
     try:
         source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
@@ -172,14 +235,16 @@ def load() -> tuple[Kernels | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{compiler} does not run: {e}"
     digest = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"brine_kernels-{digest}.so"
     try:
         if not target.is_file():
-            logger.info("building Brine's CPU kernels with %s into %s", compiler, target)
+            logger.info(
+                "building Brine's CPU kernels (%s) with %s into %s", tier or "native", compiler, target
+            )
             t0 = time.perf_counter()
-            _build(compiler, target)
+            _build(compiler, target, flags=flags)
             logger.info(
                 "built Brine's CPU kernels in %.1f s (once per source, compiler and CPU)",
                 time.perf_counter() - t0,

@@ -19,7 +19,7 @@ import torch
 
 from engine.model.native_attention import NativeBackend, NativePlan
 from engine.model.native_kernels import FLOAT32_BF16_CODES, load
-from engine.model.quant_linear import KERNEL_TYPE, QuantLinear
+from engine.model.quant_linear import QuantLinear
 
 _I64, _F64, _P = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
@@ -65,7 +65,7 @@ class _Args(ctypes.Structure):
 def _linear(module: torch.nn.Module) -> _Linear:
     assert isinstance(module, QuantLinear)
     bias = module.bias.data_ptr() if module.bias is not None else None
-    return _Linear(module.records.data_ptr(), KERNEL_TYPE[module.ggml_type], bias)
+    return _Linear(module.records.data_ptr(), module.wtype, bias)
 
 
 class NativeStack:

@@ -1,4 +1,4 @@
-"""Linear layers that run a GGUF's Q4_1 / Q8_0 weights as stored, with Brine's C++ kernel (csrc/quant_linear.cpp).
+"""Linear layers that run a GGUF's quantized weights as stored, with Brine's C++ kernel (csrc/quant_linear.cpp).
 
 Why: decode streams every weight once per token, so its speed is the weights' size. The default model's GGUF
 stores its layers in Q4_1 and its (tied) output head in Q8_0: ~96 MB, where the same weights widened to
@@ -6,15 +6,21 @@ bfloat16 are ~270 MB plus a 56 MB packed copy of the head. Keeping the blocks as
 stream a third of the bytes, and the weights are the file's exact values (d * q + m), which bfloat16 could
 not hold.
 
+The GGUF types people download map exactly onto the kernel's record kinds (its header): Q4_1 and Q4_0 (a min of
+-8 d, exact in float16) are 4-bit records; Q8_0 and Q5_0 (q - 16) int8 records; Q5_1 int8 with a min; the
+K-quants' sub-block scales are products of two small numbers, exact in float32, so Q4_K and Q5_K become records
+with float32 scales and mins, and Q6_K int8 records with a float32 scale per 16 inputs. Q5's 5-bit and Q6's
+6-bit values take a byte each in the records (the kernel reads 4 or 8 bits).
+
 Numerics: the kernel's arithmetic per output is fixed (the kernel's header says how), so a row's result does
 not depend on the batch, its place in it, or the thread count: no row padding is needed, unlike the packed
 oneDNN linears. Against a float32 product with the dequantized weights it differs only by float32 rounding;
 activations stay in the model's dtype, so a bfloat16 model still rounds its activations to bfloat16
-between ops as transformers does.
+between ops as transformers does. Every CPU tier has the kernel (csrc/simd.h).
 
 Where it applies: the model came from a GGUF (the converted directory names its source), the device is the
-CPU, the dtype is bfloat16 or float32, the CPU has AVX512-BF16 (the kernel reports it), and every part of a
-fused layer (q/k/v, gate/up) has the same type, Q4_1 or Q8_0. Any other layer keeps the dense path.
+CPU, the dtype is bfloat16 or float32, and every part of a fused layer (q/k/v, gate/up) has the same type,
+one of the above, with whole blocks per row. Any other layer keeps the dense path.
 `brine serve --quantization none` (EngineConfig.quantization) turns it off: every layer is then dequantized to the model's dtype.
 """
 
@@ -35,45 +41,155 @@ from engine.model.native_kernels import FLOAT32_BF16_CODES, Kernels
 
 logger = logging.getLogger(__name__)
 
-# GGML type ids (gguf.GGMLQuantizationType) and what the kernel calls them.
-GGML_Q4_1, GGML_Q8_0 = 3, 8
-KERNEL_TYPE = {GGML_Q4_1: 0, GGML_Q8_0: 1}
-_BLOCK_BYTES = {GGML_Q4_1: 20, GGML_Q8_0: 34}  # per 32 weights, as GGUF stores them
+# GGML type ids (gguf.GGMLQuantizationType) the kernel runs, by name.
+GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
+GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+TYPE_NAMES = {
+    GGML_Q4_0: "Q4_0",
+    GGML_Q4_1: "Q4_1",
+    GGML_Q5_0: "Q5_0",
+    GGML_Q5_1: "Q5_1",
+    GGML_Q8_0: "Q8_0",
+    GGML_Q4_K: "Q4_K",
+    GGML_Q5_K: "Q5_K",
+    GGML_Q6_K: "Q6_K",
+}
+# Record kinds (the kernel's wtype bits): int8 q, a min per block, float32 scales, two scales per block.
+_INT8, _MIN, _F32, _HALVES = 1, 2, 4, 8
+KERNEL_KIND = {
+    GGML_Q4_0: _MIN,
+    GGML_Q4_1: _MIN,
+    GGML_Q5_0: _INT8,
+    GGML_Q5_1: _INT8 | _MIN,
+    GGML_Q8_0: _INT8,
+    GGML_Q4_K: _MIN | _F32,
+    GGML_Q5_K: _INT8 | _MIN | _F32,
+    GGML_Q6_K: _INT8 | _F32 | _HALVES,
+}
+# (weights per GGUF block, bytes per block)
+_GGUF_BLOCK = {
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    12: (256, 144),
+    13: (256, 176),
+}
+_GGUF_BLOCK[14] = (256, 210)
 TILE, BLOCK = 16, 32
 
 
-def repack(raw: np.ndarray, ggml_type: int, in_features: int) -> np.ndarray:
-    """GGUF rows [out, bytes per row] -> the kernel's records [tiles, blocks, record bytes] (see the kernel's
-    header). Output features are padded to a multiple of 16 with zero weights."""
-    n, blocks = raw.shape[0], in_features // BLOCK
-    rows = raw.reshape(n, blocks, _BLOCK_BYTES[ggml_type])
-    pad = -n % TILE
+def row_bytes(ggml_type: int, in_features: int) -> int:
+    per, nbytes = _GGUF_BLOCK[ggml_type]
+    return in_features // per * nbytes
+
+
+def runs_as_stored(ggml_type: int | None, in_features: int) -> bool:
+    """Whether the kernel runs a [*, in_features] tensor of this GGML type as stored."""
+    return ggml_type in KERNEL_KIND and in_features % _GGUF_BLOCK[ggml_type][0] == 0
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: element j is byte j's low nibble, element j + 16 its high one."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 packed bytes -> the 8 sub-blocks' 6-bit scales and mins (gguf-py's get_scale_min)."""
+    d, m, m_d = (scales.reshape(*scales.shape[:-1], 3, 4)[..., i, :] for i in range(3))
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def decode(raw: np.ndarray, ggml_type: int, in_features: int):
+    """GGUF rows [n, bytes] -> (q [n, K] as the kernel reads it, d [n, K / 32], m or d1 [n, K / 32] or None),
+    with w = d q + m exactly (two scales: d for inputs 0-15 of a block, d1 for 16-31). Scales stay float16
+    where the kind has float16 scales (the file's bits), else float32 (exact products of the file's)."""
+    n = raw.shape[0]
+    per, nbytes = _GGUF_BLOCK[ggml_type]
+    b = raw.reshape(n, in_features // per, nbytes)
+    if ggml_type in (GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0):
+        d = _f16(b[..., 0:2])
+        if ggml_type == GGML_Q8_0:
+            return b[..., 2:34].view(np.int8).reshape(n, in_features), d, None
+        if ggml_type == GGML_Q4_0:
+            q = _nibbles(b[..., 2:18])
+            return q.reshape(n, in_features), d, (d * np.float16(-8)).astype(np.float16)
+        if ggml_type == GGML_Q4_1:
+            return _nibbles(b[..., 4:20]).reshape(n, in_features), d, _f16(b[..., 2:4])
+        at = 2 if ggml_type == GGML_Q5_0 else 4
+        qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)  # [n, blocks, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = _nibbles(b[..., at + 4 : at + 20]) | (high << 4)
+        if ggml_type == GGML_Q5_0:
+            return (q.astype(np.int16) - 16).astype(np.int8).reshape(n, in_features), d, None
+        return q.astype(np.int8).reshape(n, in_features), d, _f16(b[..., 2:4])
+    if ggml_type in (GGML_Q4_K, GGML_Q5_K):
+        d, dmin = _f16(b[..., 0:2]).astype(np.float32), _f16(b[..., 2:4]).astype(np.float32)
+        sc, mn = _k_scales(b[..., 4:16])  # [n, supers, 8]
+        qs = b[..., -128:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0xF).reshape(n, -1, 8, 32)
+        if ggml_type == GGML_Q5_K:
+            qh = b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & 1) << 4)
+        scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+        low = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+        return q.astype(np.int8 if ggml_type == GGML_Q5_K else np.uint8).reshape(n, in_features), scale, low
+    # Q6_K: ql 128 | qh 64 | 16 int8 scales | d; value d * scale[j] * (q - 32) for the 16 inputs j of a scale
+    ql = b[..., 0:128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    q = ((ql & 0xF).reshape(n, -1, 256) | ((qh & 3).reshape(n, -1, 256) << 4)).astype(np.int16) - 32
+    sub = b[..., 192:208].view(np.int8).astype(np.float32)
+    halves = (_f16(b[..., 208:210]).astype(np.float32)[..., None] * sub).reshape(n, -1, 2)
+    # halves: [n, 32-input blocks, (inputs 0-15, 16-31)]
+    return q.astype(np.int8).reshape(n, in_features), halves[..., 0], halves[..., 1]
+
+
+# The 4-bit records' byte order (the kernel's unpacking): byte 64 j + 16 L + 8 h + k holds, for column
+# 4 L + k // 2, input 2 (4 j + h) + k % 2 in its low nibble and input 2 (4 j + 2 + h) + k % 2 in its high one.
+_POS = np.arange(256)
+_J, _L, _H, _K = _POS // 64, _POS % 64 // 16, _POS % 16 // 8, _POS % 8
+_COL = 4 * _L + _K // 2
+_LOW_IN, _HIGH_IN = 2 * (4 * _J + _H) + _K % 2, 2 * (4 * _J + 2 + _H) + _K % 2
+
+
+def records(ggml_type: int, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """decode()'s arrays -> the kernel's records [tiles, blocks, record bytes] (its header). Output features
+    are padded to a multiple of 16 with zero weights."""
+    n, k = q.shape
+    blocks, pad = k // BLOCK, -n % TILE
     if pad:
-        rows = np.concatenate([rows, np.zeros((pad, blocks, rows.shape[2]), np.uint8)])
-    tiles = rows.shape[0] // TILE
+        q = np.concatenate([q, np.zeros((pad, k), q.dtype)])
+        d = np.concatenate([d, np.zeros((pad, blocks), d.dtype)])
+        m = None if m is None else np.concatenate([m, np.zeros((pad, blocks), m.dtype)])
+    tiles = q.shape[0] // TILE
 
-    def per_tile(a: np.ndarray) -> np.ndarray:  # [tiles * 16, blocks, *rest] -> [tiles, blocks, 16, *rest]
-        a = a.reshape(tiles, TILE, blocks, *a.shape[2:])
-        return np.moveaxis(a, 1, 2)
+    def scales(s: np.ndarray) -> np.ndarray:  # [tiles * 16, blocks] -> [tiles, blocks, 16 x bytes]
+        s = np.ascontiguousarray(s.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
+        return s.view(np.uint8).reshape(tiles, blocks, -1)
 
-    d = per_tile(rows[:, :, 0:2]).reshape(tiles, blocks, 2 * TILE)
-    if ggml_type == GGML_Q4_1:
-        m = per_tile(rows[:, :, 2:4]).reshape(tiles, blocks, 2 * TILE)
-        qs = rows[:, :, 4:20]
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # element j and j + 16 share byte j
-        # words[p, 2c + e] = q[c][2p + e]: pair p's vector of 16 columns x (even, odd) inputs
-        words = np.moveaxis(per_tile(q).reshape(tiles, blocks, TILE, BLOCK // 2, 2), 2, 3)
-        words = words.reshape(tiles, blocks, 4, 4, 4, 8)  # [chunk j, pair 4j + t, 128-bit lane, word in lane]
-        # The kernel's unpack order (its comment): byte (j, lane, half, i) = pair 4j + half's word | pair
-        # 4j + 2 + half's word << 4, both at word 8 lane + i.
-        chunks = words[:, :, :, 0:2] | (words[:, :, :, 2:4] << 4)  # [.., j, half, lane, i]
-        pairs = np.swapaxes(chunks, 3, 4).reshape(tiles, blocks, BLOCK // 2 * TILE)
-        out = np.concatenate([d, m, pairs], axis=-1)
+    parts = [scales(d)] + ([] if m is None else [scales(m)])
+    qt = q.reshape(tiles, TILE, blocks, BLOCK).transpose(0, 2, 1, 3)  # [tiles, blocks, column, input]
+    if KERNEL_KIND[ggml_type] & _INT8:
+        pairs = qt.reshape(tiles, blocks, TILE, BLOCK // 2, 2).transpose(
+            0, 1, 3, 2, 4
+        )  # [.., pair, column, 2]
+        parts.append(np.ascontiguousarray(pairs).view(np.uint8).reshape(tiles, blocks, BLOCK * TILE))
     else:
-        q8 = rows[:, :, 2:34].reshape(rows.shape[0], blocks, BLOCK // 2, 2)  # [n, blocks, pair, 2]
-        pairs = np.moveaxis(per_tile(q8), 2, 3).reshape(tiles, blocks, BLOCK * TILE)
-        out = np.concatenate([d, pairs], axis=-1)
-    return np.ascontiguousarray(out)
+        qt = qt.astype(np.uint8)
+        parts.append(qt[..., _COL, _LOW_IN] | (qt[..., _COL, _HIGH_IN] << 4))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1))
+
+
+def repack(raw: np.ndarray, ggml_type: int, in_features: int) -> np.ndarray:
+    """GGUF rows [out, bytes per row] -> the kernel's records [tiles, blocks, record bytes]."""
+    return records(ggml_type, *decode(raw, ggml_type, in_features))
 
 
 class QuantLinear(nn.Module):
@@ -93,8 +209,13 @@ class QuantLinear(nn.Module):
         super().__init__()
         if kernels.quant_linear is None:
             raise ValueError("this CPU has no quantized-linear kernel")
-        if in_features % BLOCK:
-            raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
+        if ggml_type not in KERNEL_KIND:
+            raise ValueError(f"GGML type {ggml_type} has no kernel (runs: {', '.join(TYPE_NAMES.values())})")
+        if not runs_as_stored(ggml_type, in_features):
+            per = _GGUF_BLOCK[ggml_type][0]
+            raise ValueError(
+                f"in_features {in_features} is not a multiple of {per} ({TYPE_NAMES[ggml_type]})"
+            )
         self.fn = kernels.quant_linear
         self.out_features, self.in_features = raw.shape[0], in_features
         self.ggml_type = ggml_type
@@ -113,7 +234,7 @@ class QuantLinear(nn.Module):
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=x.dtype)
         rc = self.fn(
-            KERNEL_TYPE[self.ggml_type],
+            self.wtype,
             self.records.data_ptr(),
             self.out_features,
             self.in_features,
@@ -133,7 +254,11 @@ class QuantLinear(nn.Module):
 
     @property
     def kind(self) -> str:
-        return {GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}[self.ggml_type]
+        return TYPE_NAMES[self.ggml_type]
+
+    @property
+    def wtype(self) -> int:  # the kernel's record kind
+        return KERNEL_KIND[self.ggml_type]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
@@ -162,13 +287,14 @@ def quantize_from_gguf(
     def build(names: list[str], module: nn.Linear, heads: dict[str, int]) -> QuantLinear | None:
         parts = [tensors.get(f"{name}.weight") for name in names]
         types = {None if t is None else int(t.tensor_type) for t in parts}
-        if len(types) != 1 or (kind := types.pop()) not in KERNEL_TYPE or module.in_features % BLOCK:
+        kind = types.pop() if len(types) == 1 else None
+        if kind is None or not runs_as_stored(kind, module.in_features):
             kept.append(names[0])
             return None
         raws = []
         for name, t in zip(names, parts, strict=True):
             assert t is not None
-            raw = np.asarray(t.data).reshape(-1, _BLOCK_BYTES[kind] * module.in_features // BLOCK)
+            raw = np.asarray(t.data).reshape(-1, row_bytes(kind, module.in_features))
             suffix = name.rsplit(".", 1)[-1]
             raws.append(unpermute_rotary(raw, heads[suffix]) if suffix in heads else raw)
         raw = np.concatenate(raws)

@@ -16,6 +16,11 @@
 // vector order), and exp is this file's polynomial (torch's is Sleef's). Both are the same on every row and
 // every call, whatever the batch or the thread count: each row is computed alone, by one thread, and the
 // last partial vector of a row goes through the same vector code with a mask, never a scalar loop.
+//
+// Tiers: the AVX512 code below is the reference; every other build (AVX2, the portable one) runs the scalar
+// code after it, which does the same IEEE operations lane by lane in the same order (16 lanes of squares, the
+// same tree, the same exp with nearbyint and ldexp for roundscale and scalef), so its bits are the AVX512
+// code's; with -O3 the compiler vectorises its loops for the target.
 
 #include <cmath>
 #include <cstdint>
@@ -24,17 +29,18 @@
 #include "dtypes.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define BRINE_ELEMENTWISE 1
+#define BRINE_ELEMENTWISE_AVX512 1
 #include <immintrin.h>
 #else
-#define BRINE_ELEMENTWISE 0
+#define BRINE_ELEMENTWISE_AVX512 0
 #endif
 
 using brine::kDtypeBF16;
 using brine::kDtypeF32;
+
+#if BRINE_ELEMENTWISE_AVX512
 using brine::exp_poly16;
 
-#if BRINE_ELEMENTWISE
 namespace {
 
 // Load 16 (or fewer, masked: the rest read as 0) values of the model dtype as float32.
@@ -176,11 +182,113 @@ void rope_write(const void* qkv, int64_t qkv_stride, const void* cos, const void
 }
 
 }  // namespace
-#endif  // BRINE_ELEMENTWISE
+#else  // the scalar code of every other tier: the same arithmetic, lane by lane
+namespace {
+
+using brine::bf16_to_f32;
+using brine::exp_poly;
+using brine::f32_to_bf16;
+
+template <int DT>
+inline float load1(const void* p, int64_t i) {
+    if constexpr (DT == kDtypeF32) return static_cast<const float*>(p)[i];
+    else return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+
+template <int DT>
+inline float round_dtype(float v) {
+    if constexpr (DT == kDtypeF32) return v;
+    else return bf16_to_f32(f32_to_bf16(v));
+}
+
+template <int DT>
+inline void store1(void* p, int64_t i, float v) {
+    if constexpr (DT == kDtypeF32) static_cast<float*>(p)[i] = v;
+    else static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+}
+
+// exp16's arithmetic on one lane: roundscale to nearest is nearbyint (the default rounding mode), scalef of a
+// finite p by an integral k is ldexp (both exact, rounded once where the result is subnormal).
+inline float exp1(float x) {
+    x = std::fmin(std::fmax(x, -87.3f), 88.7f);
+    const float k = std::nearbyint(x * 1.44269504088896341f);
+    float r = std::fma(-k, 0.693359375f, x);
+    r = std::fma(-k, -2.12194440e-4f, r);
+    const float p = std::fma(exp_poly(r), r * r, r + 1.0f);
+    return std::ldexp(p, static_cast<int>(k));
+}
+
+template <int DT>
+void add_rms_norm(const void* h, const void* delta, void* h_sum, const void* weight, void* out, int64_t rows,
+                  int64_t n, float eps, int threads) {
+    const void* src = delta != nullptr ? h_sum : h;  // the norm's input, once the sum is written
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t t = 0; t < rows; ++t) {
+        const int64_t base = t * n;
+        float lanes[16] = {};  // lane j: the squares of elements j, j + 16, ... (as the AVX512 code's lanes)
+        for (int64_t i = 0; i < n; ++i) {
+            float v = load1<DT>(h, base + i);
+            if (delta != nullptr) {
+                v = round_dtype<DT>(v + load1<DT>(delta, base + i));
+                store1<DT>(h_sum, base + i, v);
+            }
+            lanes[i % 16] = std::fma(v, v, lanes[i % 16]);
+        }
+        for (int w = 8; w >= 1; w /= 2)
+            for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+        const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(n) + eps);
+        for (int64_t i = 0; i < n; ++i) {
+            const float y = round_dtype<DT>(load1<DT>(src, base + i) * inv);
+            store1<DT>(out, base + i, load1<DT>(weight, i) * y);
+        }
+    }
+}
+
+template <int DT>
+void silu_mul(const void* gate_up, void* out, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t t = 0; t < rows; ++t)
+        for (int64_t i = 0; i < n; ++i) {
+            const float g = load1<DT>(gate_up, t * 2 * n + i), up = load1<DT>(gate_up, t * 2 * n + n + i);
+            const float s = round_dtype<DT>(g / (1.0f + exp1(0.0f - g)));
+            store1<DT>(out, t * n + i, s * up);
+        }
+}
+
+template <int DT>
+void rope_head(const void* x, int64_t xi, const void* cos, const void* sin, int64_t ci, void* y, int64_t yi,
+               int64_t half) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = load1<DT>(x, xi + i), x2 = load1<DT>(x, xi + half + i);
+        const float c = load1<DT>(cos, ci + i), s = load1<DT>(sin, ci + i);
+        store1<DT>(y, yi + i, round_dtype<DT>(x1 * c) - round_dtype<DT>(x2 * s));
+        store1<DT>(y, yi + half + i, round_dtype<DT>(x2 * c) + round_dtype<DT>(x1 * s));
+    }
+}
+
+template <int DT>
+void rope_write(const void* qkv, int64_t qkv_stride, const void* cos, const void* sin, const int64_t* slots,
+                void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads, int kv_heads, int dim,
+                int threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t row = t * qkv_stride, slot = slots[t];
+        for (int j = 0; j < heads; ++j) rope_head<DT>(qkv, row + j * dim, cos, sin, t * half, q_out, (t * heads + j) * dim, half);
+        for (int j = 0; j < kv_heads; ++j)
+            rope_head<DT>(qkv, row + (heads + j) * dim, cos, sin, t * half, k_cache, (slot * kv_heads + j) * dim, half);
+        const size_t bytes = static_cast<size_t>(kv_heads) * dim * (DT == kDtypeF32 ? 4 : 2);
+        const int64_t v0 = row + static_cast<int64_t>(heads + kv_heads) * dim;
+        std::memcpy(static_cast<char*>(v_cache) + slot * bytes, static_cast<const char*>(qkv) + v0 * (DT == kDtypeF32 ? 4 : 2), bytes);
+    }
+}
+
+}  // namespace
+#endif  // BRINE_ELEMENTWISE_AVX512
 
 extern "C" {
 
-int brine_elementwise_supported() { return BRINE_ELEMENTWISE; }
+int brine_elementwise_supported() { return 1; }  // every tier (kept for the loader's check)
 
 // h, delta [rows, n]: h_sum = h + delta is written and normalised (delta null: h is normalised, h_sum unused);
 // weight [n]; out [rows, n]. All contiguous, of `dtype` (0 float32, 1 bfloat16); h_sum may be h.
@@ -188,31 +296,21 @@ int brine_elementwise_supported() { return BRINE_ELEMENTWISE; }
 int brine_add_rms_norm(int dtype, const void* h, const void* delta, void* h_sum, const void* weight, void* out,
                        int64_t rows, int64_t n, float eps, int threads) {
     if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kDtypeF32 && dtype != kDtypeBF16)) return 1;
-#if BRINE_ELEMENTWISE
     if (dtype == kDtypeF32)
         add_rms_norm<kDtypeF32>(h, delta, h_sum, weight, out, rows, n, eps, threads);
     else
         add_rms_norm<kDtypeBF16>(h, delta, h_sum, weight, out, rows, n, eps, threads);
     return 0;
-#else
-    (void)h, (void)delta, (void)h_sum, (void)weight, (void)out, (void)eps;
-    return 3;
-#endif
 }
 
 // gate_up [rows, 2n] (gate, then up), out [rows, n]; contiguous, of `dtype`.
 int brine_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t n, int threads) {
     if (rows < 0 || n <= 0 || threads <= 0 || (dtype != kDtypeF32 && dtype != kDtypeBF16)) return 1;
-#if BRINE_ELEMENTWISE
     if (dtype == kDtypeF32)
         silu_mul<kDtypeF32>(gate_up, out, rows, n, threads);
     else
         silu_mul<kDtypeBF16>(gate_up, out, rows, n, threads);
     return 0;
-#else
-    (void)gate_up, (void)out;
-    return 3;
-#endif
 }
 
 // qkv [tokens, (heads + 2 kv_heads) dim] with row stride qkv_stride (elements); cos, sin [tokens, dim / 2] in
@@ -224,16 +322,11 @@ int brine_rope_write(int dtype, const void* qkv, int64_t qkv_stride, const void*
     if (tokens < 0 || heads <= 0 || kv_heads <= 0 || dim <= 0 || dim % 2 || threads <= 0 ||
         (dtype != kDtypeF32 && dtype != kDtypeBF16))
         return 1;
-#if BRINE_ELEMENTWISE
     if (dtype == kDtypeF32)
         rope_write<kDtypeF32>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
     else
         rope_write<kDtypeBF16>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
     return 0;
-#else
-    (void)qkv, (void)qkv_stride, (void)cos, (void)sin, (void)slots, (void)k_cache, (void)v_cache, (void)q_out;
-    return 3;
-#endif
 }
 
 }  // extern "C"

@@ -1,27 +1,36 @@
-// y = x W^T (+ b) on GGUF-quantized weights kept as stored (engine/model/quant_linear.py).
+// y = x W^T (+ b) on GGUF-quantized weights kept as stored (engine/model/quant_linear.py), on every CPU tier.
 //
 // Why: a decode step streams every weight once. As bfloat16 the default model's linears are ~270 MB per token;
 // as the GGUF's own Q4_1 blocks (and the Q8_0 output head) they are ~96 MB, and the step is bound by that
 // stream. The weights are the GGUF's exact values, d * q + m, never rounded to 16 bits.
 //
-// Layout (written once at load by quant_linear.repack): the output features are cut into tiles of 16; for
-// each tile and each block of 32 input features there is one record:
-//   Q4_1: 16 f16 d | 16 f16 m | 256 bytes of nibbles: q[c][i] for the 16 columns c and 32 inputs i, in the
-//         order unpack reads them (see there)                                                        (320 B)
-//   Q8_0: 16 f16 d | 16 pairs x 16 x 2 int8, (q[c][2p], q[c][2p+1])                                  (544 B)
-// so one 16-byte (or 32-byte) load gives one input pair for all 16 outputs of the tile.
+// Layout (written once at load by quant_linear.records): the output features are cut into tiles of 16; for
+// each tile and each block of 32 input features there is one record, of one of these kinds (wtype bits):
+//   1: int8 q (else 4-bit q in 0..15);  2: a min m per block;  4: scales are float32 (else float16);
+//   8: two scales per block, d0 for inputs 0-15 and d1 for 16-31 (int8, no min: Q6_K's 16-input scales).
+// A record: 16 d (then 16 m, or 16 d1) for the tile's 16 columns, then the q:
+//   4-bit: 256 bytes of nibbles, q[c][i] for the 16 columns c and 32 inputs i, in the order unpack reads them
+//   int8:  16 pairs x 16 x 2 int8, (q[c][2p], q[c][2p+1])
+// so one 16-byte (or 32-byte) load gives one input pair for all 16 outputs of the tile. GGUF types map onto
+// these kinds exactly (quant_linear.py): Q4_1 -> 2, Q4_0 -> 2 (m = -8 d), Q8_0 -> 1, Q5_0 -> 1 (q - 16),
+// Q5_1 -> 3, Q4_K -> 6, Q5_K -> 7, Q6_K -> 13.
 //
 // Arithmetic, per output column n and input row r, over the K / 32 blocks b in order:
-//   P = sum over the block's 16 pairs, in order, of q[n][2p] x[2p] + q[n][2p+1] x[2p+1]   (from P = 0)
+//   P = sum over the block's 32 inputs, in order, of q[n][i] x[i]             (from P = 0)
 //   total = fma(d[n][b], P, total); total = fma(m[n][b], S[r][b], total)  (S: the block's x summed in order from 0)
+//   (two scales: P0 over inputs 0-15 and P1 over 16-31, total = fma(d0, P0, total), then fma(d1, P1, total))
 //   y = round(total + bias[n]) to the output dtype
-// With bfloat16 activations P uses AVX512-BF16 `vdpbf16ps`; q (0..15, or -128..127) and x are exact in
-// bfloat16, so every product is exact. With float32 activations P uses fmaf (even input first, then odd).
+// That is the float32 path of every tier (simd.h: the same lane arithmetic on AVX512, AVX2 and the portable
+// build, so its bits are the same on all of them); bfloat16 activations are widened to float32 first (exact).
+// On AVX512-BF16 the bfloat16 path instead takes P's pairs with `vdpbf16ps` (q and x are exact in bfloat16, so
+// every product is exact; the instruction's own order of the two adds, and its flushing of subnormals, make
+// its bits its own). Either way, per row, the sequence depends only on the row's own x and the weights.
 //
-// Invariance: that sequence depends only on the row's own x and the weights. Rows are processed in groups (of
-// up to 12 or 16, from a copy of x packed per group, see run) and columns in tiles by any thread, but no lane
-// ever mixes rows or columns, and the block order is fixed: a row's bits do not depend on the batch, its
-// position in it, or the thread count.
+// Invariance: rows are processed in groups (of up to 12 or 16, from a copy of x packed per group, see run) and
+// columns in tiles by any thread, but no lane ever mixes rows or columns, and the block order is fixed: a row's
+// bits do not depend on the batch, its position in it, or the thread count.
+
+#include <omp.h>
 
 #include <cstdint>
 #include <cstring>
@@ -29,126 +38,236 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "simd.h"
 
-static constexpr int kTile = 16;   // output features per tile: one 512-bit vector of float32
-static constexpr int kBlock = 32;  // input features per GGUF block
-static constexpr int kPairs = kBlock / 2;
-static constexpr int64_t kPrefetch = 4096;  // bytes ahead of the record being unpacked
-static constexpr int kDirectRows = 48;  // up to this many rows, records are used as unpacked (measured crossover)
+namespace {
 
-static constexpr int kQ4_1 = 0;
-static constexpr int kQ8_0 = 1;
+using namespace brine::simd;
 using brine::kDtypeBF16;
 using brine::kDtypeF32;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define BRINE_QUANT_LINEAR 1
-#include <immintrin.h>
-#include <omp.h>
+constexpr int kTile = 16;   // output features per tile: one VF
+constexpr int kBlock = 32;  // input features per GGUF block
+constexpr int kPairs = kBlock / 2;
+constexpr int64_t kPrefetch = 4096;  // bytes ahead of the record being unpacked
+constexpr int kDirectRows = 48;  // up to this many rows, records are used as unpacked (measured crossover)
+
+// wtype bits (the header)
+constexpr int kInt8 = 1, kMin = 2, kF32Scales = 4, kHalves = 8;
+constexpr int kKnownBits = kInt8 | kMin | kF32Scales | kHalves;
+constexpr int kQ4 = 0, kQ8 = 1;  // the weight template: how q is stored
+
+#if defined(BRINE_SIMD_DPBF16)
+constexpr bool kBf16Dot = true;
 #else
-#define BRINE_QUANT_LINEAR 0
+constexpr bool kBf16Dot = false;
 #endif
 
-#if BRINE_QUANT_LINEAR
-namespace {
+// Rows per group, at most (measured on AVX512): each row is one chain of dot products per lane, and each group
+// reads the weights again (from cache), which costs the wider int8 records more. AVX2 has 16 vector registers
+// for two per VF, and the portable build none to spare: fewer rows there.
+#if defined(BRINE_SIMD_AVX512)
+constexpr int max_rows(int wt) { return wt == kQ4 ? 12 : 16; }
+#elif defined(BRINE_SIMD_AVX2)
+constexpr int max_rows(int) { return 6; }
+#else
+constexpr int max_rows(int) { return 4; }
+#endif
 
-// Rows per group, at most (measured): each row is one chain of dot products per lane, and each group reads the
-// weights again (from cache), which costs Q8_0's wider records more.
-constexpr int max_rows(int wtype) { return wtype == kQ4_1 ? 12 : 16; }
-
-constexpr int64_t record_bytes(int wtype) { return wtype == kQ4_1 ? 2 * 2 * kTile + kPairs * kTile : 2 * kTile + kPairs * kTile * 2; }
-
-// One tile's weights unpacked for the whole K: per block, 16 pair vectors and the d and m vectors.
-// bf16 activations: a pair vector is 32 bfloat16 (q[c][2p], q[c][2p+1]) for c = 0..15.
-// f32 activations: two float32 vectors per pair (the even inputs' q, then the odd ones').
-// (std::vector would not keep __m512's 64-byte alignment: the storage is aligned by hand.)
-class Panel {
-   public:
-    void resize(int64_t blocks, int per_pair) {
-        const size_t need = static_cast<size_t>(blocks) * (kPairs * per_pair + 2) * 64 + 64;
-        if (raw_.size() < need) raw_.resize(need);
-        auto base = reinterpret_cast<uintptr_t>(raw_.data());
-        pairs = reinterpret_cast<__m512i*>((base + 63) & ~uintptr_t{63});
-        dm = reinterpret_cast<__m512*>(pairs + blocks * kPairs * per_pair);
-    }
-    __m512i* pairs = nullptr;  // [blocks][16 or 32]
-    __m512* dm = nullptr;      // [blocks][2]: d, then m
-
-   private:
-    std::vector<uint8_t> raw_;
+// What a record holds, from its wtype.
+struct Kind {
+    int bits;
+    bool int8() const { return bits & kInt8; }
+    bool min() const { return bits & kMin; }
+    bool halves() const { return bits & kHalves; }
+    int scale_bytes() const { return bits & kF32Scales ? 4 : 2; }
+    int64_t scales_bytes() const { return kTile * scale_bytes() * (min() || halves() ? 2 : 1); }
+    int64_t bytes() const { return scales_bytes() + (int8() ? kPairs * kTile * 2 : kPairs * kTile); }
 };
 
-// One record (one tile, one block of 32 inputs): its 16 pair vectors (32 for float32 activations: the even
-// inputs' q, then the odd ones') into out, and its d and m (0 for Q8_0) as float32 into dm.
-template <int WT, int XT>
-inline void unpack_block(const uint8_t* rec, __m512i* out, __m512* dm) {
-    // bfloat16 of 0..15, split into its low and high bytes: vpshufb's tables (one per 128-bit lane)
-    const __m512i table_lo = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0x00, static_cast<char>(0x80), 0x00, 0x40, static_cast<char>(0x80), static_cast<char>(0xa0),
-                      static_cast<char>(0xc0), static_cast<char>(0xe0), 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60,
-                      0x70));
-    const __m512i table_hi = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41));
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+// The record's two scale vectors as float32: d, then m or d1 (0 where it has neither).
+inline void load_scales(const uint8_t* rec, Kind kind, VF* dm) {
+    const bool two = kind.min() || kind.halves();
+    if (kind.scale_bytes() == 2) {
+        const uint16_t* s = reinterpret_cast<const uint16_t*>(rec);
+        dm[0] = vload_f16(s);
+        dm[1] = two ? vload_f16(s + kTile) : vzero();
+    } else {
+        const float* s = reinterpret_cast<const float*>(rec);
+        dm[0] = vload_part(s, kTile);
+        dm[1] = two ? vload_part(s + kTile, kTile) : vzero();
+    }
+}
+
+inline void prefetch_record(const uint8_t* rec, Kind kind) {
     // The weights stream from memory once per call: ask for the lines kPrefetch bytes ahead (the rest of this
     // tile, then the next one, which follows it in memory) while these convert.
-    for (int64_t o = 0; o < record_bytes(WT); o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + o), _MM_HINT_T0);
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec);
-    dm[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-    dm[1] = WT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kTile)))
-                        : _mm512_setzero_ps();
-    const uint8_t* qs = rec + (WT == kQ4_1 ? 4 : 2) * kTile;
-    if constexpr (WT == kQ4_1) {
-        // Each 64-byte chunk j holds pairs 4j .. 4j + 3 (repack's order): the low nibbles of each lane's first
-        // and last 8 bytes are pairs 4j and 4j + 1, the high nibbles 4j + 2 and 4j + 3. A table lookup gives
-        // each nibble's bfloat16 bytes, and interleaving them gives the words in place.
+    for (int64_t o = 0; o < kind.bytes(); o += 64) __builtin_prefetch(rec + kPrefetch + o, 0, 3);
+}
+
+// ---- Unpacking one record's q into float32 vectors: w[i] = input i's q for the 16 columns, i = 0..31 ----
+
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+// bfloat16 of 0..15, split into its low and high bytes: vpshufb's tables (one per 128-bit lane)
+inline __m128i bf16_table_lo() {
+    return _mm_setr_epi8(0x00, static_cast<char>(0x80), 0x00, 0x40, static_cast<char>(0x80), static_cast<char>(0xa0),
+                         static_cast<char>(0xc0), static_cast<char>(0xe0), 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60,
+                         0x70);
+}
+inline __m128i bf16_table_hi() {
+    return _mm_setr_epi8(0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+                         0x41);
+}
+#endif
+
+#if defined(BRINE_SIMD_AVX512)
+// The 4-bit q of one record as 16 vectors of bfloat16 pairs: pv[p] dword c = (q[c][2p], q[c][2p+1]).
+// Each 64-byte chunk j holds pairs 4j .. 4j + 3 (the layout's order): the low nibbles of each lane's first and
+// last 8 bytes are pairs 4j and 4j + 1, the high nibbles 4j + 2 and 4j + 3. A table lookup gives each nibble's
+// bfloat16 bytes, and interleaving them gives the words in place.
+inline void q4_pairs(const uint8_t* qs, __m512i* pv_out) {
+    const __m512i table_lo = _mm512_broadcast_i32x4(bf16_table_lo()), table_hi = _mm512_broadcast_i32x4(bf16_table_hi());
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(qs + 64 * j);
+        const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+        for (int h = 0; h < 2; ++h) {
+            const __m512i lo = _mm512_shuffle_epi8(table_lo, nib[h]), hi = _mm512_shuffle_epi8(table_hi, nib[h]);
+            pv_out[4 * j + 2 * h] = _mm512_unpacklo_epi8(lo, hi);
+            pv_out[4 * j + 2 * h + 1] = _mm512_unpackhi_epi8(lo, hi);
+        }
+    }
+}
+
+template <int WT>
+inline void unpack_f32(const uint8_t* qs, VF* w) {
+    if constexpr (WT == kQ4) {
+        __m512i pv[kPairs];
+        q4_pairs(qs, pv);
+        for (int p = 0; p < kPairs; ++p) {  // exact: q's bfloat16 widened
+            w[2 * p].v = _mm512_castsi512_ps(_mm512_slli_epi32(pv[p], 16));
+            w[2 * p + 1].v = _mm512_castsi512_ps(_mm512_and_si512(pv[p], _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+        }
+    } else {
+        for (int p = 0; p < kPairs; ++p) {
+            // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
+            const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
+            w[2 * p].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16));
+            w[2 * p + 1].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(q, 16));
+        }
+    }
+}
+#elif defined(BRINE_SIMD_AVX2)
+// As the AVX512 unpacking, on 256-bit halves: bytes 0-31 of a chunk are columns 0-7 (its first two 128-bit
+// lanes), bytes 32-63 columns 8-15; vpshufb and the byte unpacks act per 128-bit lane on both widths.
+template <int WT>
+inline void unpack_f32(const uint8_t* qs, VF* w) {
+    if constexpr (WT == kQ4) {
+        const __m256i table_lo = _mm256_broadcastsi128_si256(bf16_table_lo());
+        const __m256i table_hi = _mm256_broadcastsi128_si256(bf16_table_hi());
+        const __m256i low4 = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
         for (int j = 0; j < 4; ++j) {
-            const __m512i v = _mm512_loadu_si512(qs + 64 * j);
-            const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+            const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j)),
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32))};
             for (int h = 0; h < 2; ++h) {
-                const __m512i lo = _mm512_shuffle_epi8(table_lo, nib[h]), hi = _mm512_shuffle_epi8(table_hi, nib[h]);
-                const __m512i pv[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+                __m256i pv[2][2];  // [byte half t][columns 0-7, 8-15]
+                for (int s = 0; s < 2; ++s) {
+                    const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(v[s], 4) : v[s], low4);
+                    const __m256i lo = _mm256_shuffle_epi8(table_lo, nib), hi = _mm256_shuffle_epi8(table_hi, nib);
+                    pv[0][s] = _mm256_unpacklo_epi8(lo, hi);
+                    pv[1][s] = _mm256_unpackhi_epi8(lo, hi);
+                }
                 for (int t = 0; t < 2; ++t) {
                     const int p = 4 * j + 2 * h + t;
-                    if constexpr (XT == kDtypeBF16) {
-                        out[p] = pv[t];
-                    } else {  // exact: q's bfloat16 widened
-                        out[2 * p] = _mm512_slli_epi32(pv[t], 16);
-                        out[2 * p + 1] = _mm512_and_si512(pv[t], _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-                    }
+                    w[2 * p] = {_mm256_castsi256_ps(_mm256_slli_epi32(pv[t][0], 16)),
+                                _mm256_castsi256_ps(_mm256_slli_epi32(pv[t][1], 16))};
+                    w[2 * p + 1] = {_mm256_castsi256_ps(_mm256_and_si256(pv[t][0], high)),
+                                    _mm256_castsi256_ps(_mm256_and_si256(pv[t][1], high))};
                 }
             }
         }
     } else {
         for (int p = 0; p < kPairs; ++p) {
-            // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
-            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
-            if constexpr (XT == kDtypeBF16) {
-                // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
-                // (vcvtne2ps2bf16 on the two halves measured 10% slower for the one-row head, two threads)
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
-                const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
-                const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
-                out[p] = _mm512_or_si512(lo_b, hi_b);
-            } else {
-                out[2 * p] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16)));
-                out[2 * p + 1] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16)));
-            }
+            const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + p * 2 * kTile)));
+            const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + p * 2 * kTile + 16)));
+            w[2 * p] = {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16)),
+                        _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 16))};
+            w[2 * p + 1] = {_mm256_cvtepi32_ps(_mm256_srai_epi32(a, 16)), _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 16))};
         }
     }
 }
-
-constexpr int pair_vectors(int xt) { return xt == kDtypeBF16 ? kPairs : 2 * kPairs; }
-
-// A tile's records unpacked into the panel, for many rows to reuse.
-template <int WT, int XT>
-void unpack(const uint8_t* rec, int64_t blocks, Panel& panel) {
-    panel.resize(blocks, pair_vectors(XT) / kPairs);
-    for (int64_t b = 0; b < blocks; ++b)
-        unpack_block<WT, XT>(rec + b * record_bytes(WT), panel.pairs + b * pair_vectors(XT), panel.dm + 2 * b);
+#else
+// The layout read element by element. 4-bit: input 2p + e of column c is nibble (p % 4) / 2 of byte
+// 64 (p / 4) + 16 (c / 4) + 8 (p % 2) + 2 (c % 4) + e (the AVX512 unpacking's order, written out).
+template <int WT>
+inline void unpack_f32(const uint8_t* qs, VF* w) {
+    for (int p = 0; p < kPairs; ++p)
+        for (int c = 0; c < kTile; ++c)
+            for (int e = 0; e < 2; ++e) {
+                float q;
+                if constexpr (WT == kQ4) {
+                    const uint8_t byte = qs[64 * (p / 4) + 16 * (c / 4) + 8 * (p % 2) + 2 * (c % 4) + e];
+                    q = static_cast<float>((byte >> (4 * ((p % 4) / 2))) & 0x0f);
+                } else {
+                    q = static_cast<float>(static_cast<int8_t>(qs[p * 2 * kTile + 2 * c + e]));
+                }
+                w[2 * p + e].v[c] = q;
+            }
 }
+#endif
+
+#if defined(BRINE_SIMD_DPBF16)
+// The record's q as bfloat16 pairs for vdpbf16ps: pv[p] dword c = (q[c][2p], q[c][2p+1]).
+template <int WT>
+inline void unpack_bf16(const uint8_t* qs, __m512i* pv) {
+    if constexpr (WT == kQ4) {
+        q4_pairs(qs, pv);
+    } else {
+        for (int p = 0; p < kPairs; ++p) {
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
+            // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
+            // (vcvtne2ps2bf16 on the two halves measured 10% slower for the one-row head, two threads)
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+            const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
+            const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
+            pv[p] = _mm512_or_si512(lo_b, hi_b);
+        }
+    }
+}
+#endif
+
+
+// The vectors one block of one tile takes: 32 float32 q vectors (or, XT bfloat16, 16 bfloat16 pair vectors
+// in the same 64-byte slots), then its two scale vectors.
+constexpr int q_vectors(int xt) { return xt == kDtypeBF16 ? kPairs : kBlock; }
+constexpr int block_vectors(int xt) { return q_vectors(xt) + 2; }
+
+// One record (one tile, one block of 32 inputs) unpacked into out[block_vectors(XT)].
+template <int WT, int XT>
+inline void unpack_block(const uint8_t* rec, Kind kind, VF* out) {
+    prefetch_record(rec, kind);
+    load_scales(rec, kind, out + q_vectors(XT));
+    const uint8_t* qs = rec + kind.scales_bytes();
+#if defined(BRINE_SIMD_DPBF16)
+    if constexpr (XT == kDtypeBF16) return unpack_bf16<WT>(qs, reinterpret_cast<__m512i*>(out));
+#endif
+    if constexpr (XT != kDtypeBF16) unpack_f32<WT>(qs, out);
+}
+
+// One tile's records unpacked for the whole K, for many rows to reuse. (std::vector would not keep VF's
+// 64-byte alignment: the storage is aligned by hand.)
+class Panel {
+   public:
+    VF* resize(int64_t vectors) {
+        const size_t need = static_cast<size_t>(vectors) * sizeof(VF) + 64;
+        if (raw_.size() < need) raw_.resize(need);
+        return reinterpret_cast<VF*>((reinterpret_cast<uintptr_t>(raw_.data()) + 63) & ~uintptr_t{63});
+    }
+
+   private:
+    std::vector<uint8_t> raw_;
+};
 
 // The row groups: as few of at most `most` rows as cover all m rows, of near-equal sizes (the first m % count
 // one row larger): 13 rows are 7 + 6, not 12 + 1, since a small group is a short chain per lane that waits
@@ -162,51 +281,91 @@ struct RowGroups {
 
 struct Args {
     int64_t n, k, m;
-    // x as pack_rows writes it: each row group's rows side by side per block, [group][block][row][32], so that
-    // a group's R rows of a block are one pointer and constant offsets. Group g starts at row first(g) x k.
+    Kind kind;
+    // x as pack_rows writes it (float32, or bfloat16 for the vdpbf16ps path): each row group's rows side by
+    // side per block, [group][block][row][32], so that a group's R rows of a block are one pointer and constant
+    // offsets. Group g starts at row first(g) x k.
     void* x;
-    float* sums;  // [group][block][row], likewise: each block's sum of x (Q4_1 only)
+    float* sums;  // [group][block][row], likewise: each block's sum of x (kinds with a min only)
     const float* bias;
     void* out;
     int64_t out_stride;
     int out_dtype;
 };
 
-// Rows r0 .. r0 + R - 1 (one row group) of block b against one tile's unpacked block (w, dm): total += d P + m S.
-template <int WT, int XT, int R>
-inline void block_dot(const Args& a, const __m512i* w, const __m512* dm, int64_t b, int64_t r0, __m512* total) {
+// Rows r0 .. r0 + R - 1 (one row group) of block b against one tile's unpacked block w: total += d P (+ m S).
+template <int XT, int R>
+inline void block_dot(const Args& a, const VF* w, int64_t b, int64_t r0, VF* total) {
     const int64_t at = r0 * (a.k / kBlock) + b * R;  // the group's first row of block b, in rows of one block
-    __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    const VF* dm = w + q_vectors(XT);
+    const bool halves = a.kind.halves();
     if constexpr (XT == kDtypeBF16) {
+#if defined(BRINE_SIMD_DPBF16)
         const uint16_t* xb = static_cast<const uint16_t*>(a.x) + at * kBlock;
-        for (int p = 0; p < kPairs; ++p) {
-            const __m512bh wp = (__m512bh)w[p];
-            for (int r = 0; r < R; ++r) {
-                int32_t pair;
-                std::memcpy(&pair, xb + r * kBlock + 2 * p, 4);
-                part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
+        const __m512i* pv = reinterpret_cast<const __m512i*>(w);
+        __m512 part[R];
+        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+        const auto pairs = [&](int p0, int p1) {
+            for (int p = p0; p < p1; ++p) {
+                const __m512bh wp = (__m512bh)pv[p];
+                for (int r = 0; r < R; ++r) {
+                    int32_t pair;
+                    std::memcpy(&pair, xb + r * kBlock + 2 * p, 4);
+                    part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
+                }
             }
+        };
+        if (halves) {
+            pairs(0, kPairs / 2);
+            for (int r = 0; r < R; ++r) {
+                total[r].v = _mm512_fmadd_ps(dm[0].v, part[r], total[r].v);
+                part[r] = _mm512_setzero_ps();
+            }
+            pairs(kPairs / 2, kPairs);
+            for (int r = 0; r < R; ++r) total[r].v = _mm512_fmadd_ps(dm[1].v, part[r], total[r].v);
+            return;
         }
+        pairs(0, kPairs);
+        for (int r = 0; r < R; ++r) {
+            total[r].v = _mm512_fmadd_ps(dm[0].v, part[r], total[r].v);
+            if (a.kind.min()) total[r].v = _mm512_fmadd_ps(dm[1].v, _mm512_set1_ps(a.sums[at + r]), total[r].v);
+        }
+#endif
     } else {
         const float* xb = static_cast<const float*>(a.x) + at * kBlock;
-        for (int p = 0; p < kPairs; ++p) {
-            const __m512 we = _mm512_castsi512_ps(w[2 * p]), wo = _mm512_castsi512_ps(w[2 * p + 1]);
-            for (int r = 0; r < R; ++r) {
-                part[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(xb[r * kBlock + 2 * p]), part[r]);
-                part[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xb[r * kBlock + 2 * p + 1]), part[r]);
+        VF part[R];
+        for (int r = 0; r < R; ++r) part[r] = vzero();
+        const auto inputs = [&](int i0, int i1) {
+            for (int i = i0; i < i1; i += 2) {
+                const VF we = w[i], wo = w[i + 1];
+                for (int r = 0; r < R; ++r) {
+                    part[r] = vfmadd(we, vset1(xb[r * kBlock + i]), part[r]);
+                    part[r] = vfmadd(wo, vset1(xb[r * kBlock + i + 1]), part[r]);
+                }
             }
+        };
+        if (halves) {
+            inputs(0, kBlock / 2);
+            for (int r = 0; r < R; ++r) {
+                total[r] = vfmadd(dm[0], part[r], total[r]);
+                part[r] = vzero();
+            }
+            inputs(kBlock / 2, kBlock);
+            for (int r = 0; r < R; ++r) total[r] = vfmadd(dm[1], part[r], total[r]);
+            return;
         }
-    }
-    for (int r = 0; r < R; ++r) {
-        total[r] = _mm512_fmadd_ps(dm[0], part[r], total[r]);
-        if constexpr (WT == kQ4_1) total[r] = _mm512_fmadd_ps(dm[1], _mm512_set1_ps(a.sums[at + r]), total[r]);
+        inputs(0, kBlock);
+        for (int r = 0; r < R; ++r) {
+            total[r] = vfmadd(dm[0], part[r], total[r]);
+            if (a.kind.min()) total[r] = vfmadd(dm[1], vset1(a.sums[at + r]), total[r]);
+        }
     }
 }
 
-// f32_to_bf16 on 16 lanes: a NaN kept quiet, anything else rounded to nearest even.
-inline __m256i to_bf16(__m512 y) {
-    const __m512i u = _mm512_castps_si512(y);
+// y rounded to bfloat16 into o[0 .. count): round to nearest even, a NaN kept quiet (brine::f32_to_bf16).
+inline void store_bf16(uint16_t* o, VF y, int count) {
+#if defined(BRINE_SIMD_AVX512)
+    const __m512i u = _mm512_castps_si512(y.v);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                  _mm512_set1_epi32(0x7f800000));
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -215,26 +374,26 @@ inline __m256i to_bf16(__m512 y) {
     // the high halves, as one 256-bit vector (vpermw: a down-converting store, vpmovdw, is slow on Zen 4)
     const __m512i high = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 31, 29, 27, 25, 23, 21, 19,
                                           17, 15, 13, 11, 9, 7, 5, 3, 1);
-    return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high, _mm512_mask_blend_epi32(nan, rounded, quiet)));
+    const __m256i h = _mm512_castsi512_si256(_mm512_permutexvar_epi16(high, _mm512_mask_blend_epi32(nan, rounded, quiet)));
+    if (count >= kTile) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), h);
+    else _mm256_mask_storeu_epi16(o, static_cast<__mmask16>((1u << count) - 1), h);
+#else
+    alignas(64) float t[kTile];
+    vstore(t, y);
+    for (int i = 0; i < count && i < kTile; ++i) o[i] = brine::f32_to_bf16(t[i]);
+#endif
 }
 
 // y = total + bias for rows r0 .. r0 + R - 1 of one tile; the last tile's missing columns are not written.
 template <int R>
-void store_rows(const Args& a, const __m512* total, int64_t tile, int64_t r0) {
+void store_rows(const Args& a, const VF* total, int64_t tile, int64_t r0) {
     const int64_t c0 = tile * kTile;
-    const __mmask16 cols = a.n - c0 < kTile ? static_cast<__mmask16>((1u << (a.n - c0)) - 1) : __mmask16{0xffff};
-    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(cols, a.bias + c0) : _mm512_setzero_ps();
+    const int cols = a.n - c0 < kTile ? static_cast<int>(a.n - c0) : kTile;
+    const VF bias = a.bias ? vload_part(a.bias + c0, cols) : vzero();
     for (int r = 0; r < R; ++r) {
-        const __m512 y = a.bias ? _mm512_add_ps(total[r], bias) : total[r];
-        if (a.out_dtype == kDtypeBF16) {
-            uint16_t* o = static_cast<uint16_t*>(a.out) + (r0 + r) * a.out_stride + c0;
-            if (cols == 0xffff) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), to_bf16(y));
-            else _mm256_mask_storeu_epi16(o, cols, to_bf16(y));
-        } else {
-            float* o = static_cast<float*>(a.out) + (r0 + r) * a.out_stride + c0;
-            if (cols == 0xffff) _mm512_storeu_ps(o, y);
-            else _mm512_mask_storeu_ps(o, cols, y);
-        }
+        const VF y = a.bias ? vadd(total[r], bias) : total[r];
+        if (a.out_dtype == kDtypeBF16) store_bf16(static_cast<uint16_t*>(a.out) + (r0 + r) * a.out_stride + c0, y, cols);
+        else vstore_part(static_cast<float*>(a.out) + (r0 + r) * a.out_stride + c0, y, cols);
     }
 }
 
@@ -255,34 +414,40 @@ inline void with_rows(int rows, F&& f) {
 // arithmetic is the sequence in the header.
 template <int WT, int XT, int R>
 void group_direct(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0) {
-    __m512 total[R];
-    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < a.k / kBlock; ++b, rec += record_bytes(WT)) {
-        __m512i w[pair_vectors(XT)];
-        __m512 dm[2];
-        unpack_block<WT, XT>(rec, w, dm);
-        block_dot<WT, XT, R>(a, w, dm, b, r0, total);
+    VF total[R];
+    for (int r = 0; r < R; ++r) total[r] = vzero();
+    const int64_t bytes = a.kind.bytes();
+    for (int64_t b = 0; b < a.k / kBlock; ++b, rec += bytes) {
+        VF w[block_vectors(XT)];
+        unpack_block<WT, XT>(rec, a.kind, w);
+        block_dot<XT, R>(a, w, b, r0, total);
     }
     store_rows<R>(a, total, tile, r0);
 }
 
 // One row group against one tile's panel (its records unpacked for the whole K). Same arithmetic.
-template <int WT, int XT, int R>
-void group_panel(const Args& a, const Panel& panel, int64_t tile, int64_t r0) {
-    __m512 total[R];
-    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < a.k / kBlock; ++b)
-        block_dot<WT, XT, R>(a, panel.pairs + b * pair_vectors(XT), panel.dm + 2 * b, b, r0, total);
+template <int XT, int R>
+void group_panel(const Args& a, const VF* panel, int64_t tile, int64_t r0) {
+    VF total[R];
+    for (int r = 0; r < R; ++r) total[r] = vzero();
+    for (int64_t b = 0; b < a.k / kBlock; ++b) block_dot<XT, R>(a, panel + b * block_vectors(XT), b, r0, total);
     store_rows<R>(a, total, tile, r0);
 }
 
+template <typename T>
+inline float widen(T v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return brine::bf16_to_f32(v);
+}
+
+#if defined(BRINE_SIMD_AVX512)
 // Each block's sum of x for 16 blocks of one row at once (lane j: block j, where `blocks` has bit j), each in
 // order from 0 as the header's S is: the lanes gather their blocks' inputs one index at a time.
-template <int XT, typename T>
-inline __m512 block_sums(const T* row, __mmask16 blocks) {
+template <typename T>
+inline __m512 block_sums16(const T* row, __mmask16 blocks) {
     const __m512i block = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __m512 s = _mm512_setzero_ps();
-    if constexpr (XT == kDtypeBF16) {  // a 32-bit gather brings inputs 2i (its low half) and 2i + 1
+    if constexpr (std::is_same_v<T, uint16_t>) {  // a 32-bit gather brings inputs 2i (its low half) and 2i + 1
         const __m512i at = _mm512_slli_epi32(block, 6), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
         for (int i = 0; i < kBlock; i += 2) {
             const __m512i two = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), blocks, at, row + i, 1);
@@ -296,25 +461,44 @@ inline __m512 block_sums(const T* row, __mmask16 blocks) {
     }
     return s;
 }
+#endif
 
-// Row groups g0 .. g1 - 1 of x copied into the packed layout of a.x, with (Q4_1) each block's sum of x.
-template <int WT, int XT, typename T>
+// One row's block sums into sums[b * stride] for every block b.
+template <typename T>
+inline void row_sums(const T* row, int64_t blocks, float* sums, int64_t stride) {
+#if defined(BRINE_SIMD_AVX512)
+    for (int64_t b0 = 0; b0 < blocks; b0 += kTile) {
+        const int64_t count = blocks - b0 < kTile ? blocks - b0 : kTile;
+        alignas(64) float s[kTile];
+        _mm512_store_ps(s, block_sums16(row + b0 * kBlock, static_cast<__mmask16>((1u << count) - 1)));
+        for (int64_t j = 0; j < count; ++j) sums[(b0 + j) * stride] = s[j];
+    }
+#else
+    for (int64_t b = 0; b < blocks; ++b) {
+        float s = 0.0f;
+        for (int i = 0; i < kBlock; ++i) s += widen(row[b * kBlock + i]);
+        sums[b * stride] = s;
+    }
+#endif
+}
+
+// Row groups g0 .. g1 - 1 of x (of T) copied into the packed layout of a.x (of PT: T, or float32 widened from
+// bfloat16), with each block's sum of x where the kind has a min.
+template <typename PT, typename T>
 void pack_rows(const T* x, int64_t x_stride, const RowGroups& groups, int64_t g0, int64_t g1, const Args& a) {
     const int64_t blocks = a.k / kBlock;
-    T* packed = static_cast<T*>(a.x);
+    PT* packed = static_cast<PT*>(a.x);
     for (int64_t g = g0; g < g1; ++g) {
         const int64_t r0 = groups.first(g), rows = groups.rows(g);
         for (int64_t r = 0; r < rows; ++r) {
             const T* row = x + (r0 + r) * x_stride;
-            for (int64_t b = 0; b < blocks; ++b)
-                std::memcpy(packed + (r0 * blocks + b * rows + r) * kBlock, row + b * kBlock, sizeof(T) * kBlock);
-            if constexpr (WT == kQ4_1)
-                for (int64_t b0 = 0; b0 < blocks; b0 += kTile) {
-                    const int64_t count = blocks - b0 < kTile ? blocks - b0 : kTile;
-                    alignas(64) float s[kTile];
-                    _mm512_store_ps(s, block_sums<XT>(row + b0 * kBlock, static_cast<__mmask16>((1u << count) - 1)));
-                    for (int64_t j = 0; j < count; ++j) a.sums[r0 * blocks + (b0 + j) * rows + r] = s[j];
-                }
+            for (int64_t b = 0; b < blocks; ++b) {
+                PT* dst = packed + (r0 * blocks + b * rows + r) * kBlock;
+                if constexpr (std::is_same_v<PT, T>) std::memcpy(dst, row + b * kBlock, sizeof(T) * kBlock);
+                else
+                    for (int i = 0; i < kBlock; ++i) dst[i] = widen(row[b * kBlock + i]);
+            }
+            if (a.kind.min()) row_sums(row, blocks, a.sums + r0 * blocks + r, rows);
         }
     }
 }
@@ -327,11 +511,11 @@ inline uint8_t* scratch(size_t bytes) {
     return buffer.data();
 }
 
-// a, with its packed rows and sums in this thread's scratch memory.
-template <int WT, int XT>
+// a, with its packed rows (of PT) and sums in this thread's scratch memory.
+template <typename PT>
 Args packed(Args a) {
-    const auto x_bytes = static_cast<size_t>(a.m * a.k * (XT == kDtypeBF16 ? 2 : 4));
-    uint8_t* at = scratch(x_bytes + static_cast<size_t>(WT == kQ4_1 ? a.m * (a.k / kBlock) * 4 : 0));
+    const auto x_bytes = static_cast<size_t>(a.m * a.k) * sizeof(PT);
+    uint8_t* at = scratch(x_bytes + static_cast<size_t>(a.kind.min() ? a.m * (a.k / kBlock) * 4 : 0));
     a.x = at;
     a.sums = reinterpret_cast<float*>(at + x_bytes);
     return a;
@@ -346,19 +530,19 @@ Args packed(Args a) {
 //  - More rows, the threads pack them together; then each unpacks two tiles at a time into its panels and runs
 //    every group over both, so that the packed rows (megabytes at prefill sizes) stream in once per two tiles
 //    and each row's output line is written in one go.
-template <int WT, int XT>
-void run(const Args& in, const void* x_in, int64_t x_stride, const uint8_t* w, int threads) {
-    using T = std::conditional_t<XT == kDtypeBF16, uint16_t, float>;
-    const T* x = static_cast<const T*>(x_in);
-    const int64_t blocks = in.k / kBlock, tiles = (in.n + kTile - 1) / kTile;
+// T: the caller's activations; XT: what the dot products take (bfloat16 only on the vdpbf16ps path).
+template <int WT, int XT, typename T>
+void run(const Args& in, const T* x, int64_t x_stride, const uint8_t* w, int threads) {
+    using PT = std::conditional_t<XT == kDtypeBF16, uint16_t, float>;
+    const int64_t blocks = in.k / kBlock, tiles = (in.n + kTile - 1) / kTile, bytes = in.kind.bytes();
     constexpr int kMost = max_rows(WT);
     const RowGroups groups(in.m, kMost);
-    const auto records = [&](int64_t tile) { return w + tile * blocks * record_bytes(WT); };
+    const auto records = [&](int64_t tile) { return w + tile * blocks * bytes; };
     if (in.m <= kDirectRows) {
 #pragma omp parallel num_threads(threads)
         {
-            const Args a = packed<WT, XT>(in);
-            pack_rows<WT, XT>(x, x_stride, groups, 0, groups.count, a);
+            const Args a = packed<PT>(in);
+            pack_rows<PT>(x, x_stride, groups, 0, groups.count, a);
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; ++t)
                 for (int64_t g = 0; g < groups.count; ++g) {
@@ -369,11 +553,11 @@ void run(const Args& in, const void* x_in, int64_t x_stride, const uint8_t* w, i
         }
         return;
     }
-    const Args a = packed<WT, XT>(in);
+    const Args a = packed<PT>(in);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups.count; ++g) pack_rows<WT, XT>(x, x_stride, groups, g, g + 1, a);
+        for (int64_t g = 0; g < groups.count; ++g) pack_rows<PT>(x, x_stride, groups, g, g + 1, a);
         // (past the omp for's barrier: every row is packed)
         // Kept per thread across calls: a fresh one per call cost a zeroed allocation (mmap'd, page-faulted
         // anew, for the larger layers) in every layer of every step.
@@ -382,48 +566,58 @@ void run(const Args& in, const void* x_in, int64_t x_stride, const uint8_t* w, i
         const int64_t end = tiles * (me + 1) / team;
         for (int64_t t = tiles * me / team; t < end; t += 2) {
             const int pair = end - t < 2 ? 1 : 2;
-            for (int i = 0; i < pair; ++i) unpack<WT, XT>(records(t + i), blocks, panels[i]);
+            VF* panel[2] = {nullptr, nullptr};
+            for (int i = 0; i < pair; ++i) {
+                panel[i] = panels[i].resize(blocks * block_vectors(XT));
+                for (int64_t b = 0; b < blocks; ++b)
+                    unpack_block<WT, XT>(records(t + i) + b * bytes, a.kind, panel[i] + b * block_vectors(XT));
+            }
             for (int64_t g = 0; g < groups.count; ++g) {
                 const int64_t r0 = groups.first(g);
-                with_rows<kMost / 2, kMost>(groups.rows(g), [&](auto R) {
-                    for (int i = 0; i < pair; ++i) group_panel<WT, XT, R.value>(a, panels[i], t + i, r0);
+                with_rows<(kMost + 1) / 2, kMost>(groups.rows(g), [&](auto R) {
+                    for (int i = 0; i < pair; ++i) group_panel<XT, R.value>(a, panel[i], t + i, r0);
                 });
             }
         }
     }
 }
 
+template <int WT>
+void dispatch(const Args& a, int x_dtype, const void* x, int64_t x_stride, const uint8_t* w, int threads) {
+    if (x_dtype == kDtypeF32) return run<WT, kDtypeF32>(a, static_cast<const float*>(x), x_stride, w, threads);
+    const auto* xb = static_cast<const uint16_t*>(x);
+    if constexpr (kBf16Dot) run<WT, kDtypeBF16>(a, xb, x_stride, w, threads);
+    else run<WT, kDtypeF32>(a, xb, x_stride, w, threads);
+}
+
 }  // namespace
-#endif  // BRINE_QUANT_LINEAR
 
 extern "C" {
 
-// 1 where this build has the kernel (AVX512 with BF16, which -march=native enables only on CPUs that have it).
-int brine_quant_linear_supported() { return BRINE_QUANT_LINEAR; }
+// The tier these kernels were compiled for: "avx512-bf16", "avx512", "avx2" or "portable" (simd.h).
+const char* brine_kernel_tier() { return kTier; }
 
-// Bumped whenever the arguments or the record layout change.
-int brine_quant_linear_abi() { return 1; }
+// 1: every build has the kernel (kept for the loader's check).
+int brine_quant_linear_supported() { return 1; }
 
-// wtype: 0 = Q4_1, 1 = Q8_0. x_dtype / out_dtype: 0 = float32, 1 = bfloat16. k: a multiple of 32.
-// Returns 0, or non-zero for arguments it refuses (nothing is written then).
+// Bumped whenever the arguments or the record layout change (2: wtype is the kind's bits).
+int brine_quant_linear_abi() { return 2; }
+
+// wtype: the record kind's bits (the header). x_dtype / out_dtype: 0 = float32, 1 = bfloat16. k: a multiple
+// of 32. Returns 0, or non-zero for arguments it refuses (nothing is written then).
 int brine_quant_linear(int wtype, const uint8_t* w, int64_t n, int64_t k, int x_dtype, const void* x, int64_t m,
                        int64_t x_stride, const float* bias, void* out, int64_t out_stride, int out_dtype,
                        int threads) {
-    if (n <= 0 || k <= 0 || k % kBlock != 0 || m < 0 || threads <= 0 || (wtype != kQ4_1 && wtype != kQ8_0) ||
+    const Kind kind{wtype};
+    const bool kind_ok = (wtype & ~kKnownBits) == 0 && (!kind.halves() || (kind.int8() && !kind.min()));
+    if (n <= 0 || k <= 0 || k % kBlock != 0 || m < 0 || threads <= 0 || !kind_ok ||
         (x_dtype != kDtypeF32 && x_dtype != kDtypeBF16) || (out_dtype != kDtypeF32 && out_dtype != kDtypeBF16))
         return 1;
     if (m == 0) return 0;
-#if !BRINE_QUANT_LINEAR
-    (void)w, (void)x, (void)x_stride, (void)bias, (void)out, (void)out_stride;
-    return 3;
-#else
-    const Args a{n, k, m, nullptr, nullptr, bias, out, out_stride, out_dtype};  // run packs x
-    if (wtype == kQ4_1 && x_dtype == kDtypeBF16) run<kQ4_1, kDtypeBF16>(a, x, x_stride, w, threads);
-    else if (wtype == kQ4_1) run<kQ4_1, kDtypeF32>(a, x, x_stride, w, threads);
-    else if (x_dtype == kDtypeBF16) run<kQ8_0, kDtypeBF16>(a, x, x_stride, w, threads);
-    else run<kQ8_0, kDtypeF32>(a, x, x_stride, w, threads);
+    const Args a{n, k, m, kind, nullptr, nullptr, bias, out, out_stride, out_dtype};  // run packs x
+    if (kind.int8()) dispatch<kQ8>(a, x_dtype, x, x_stride, w, threads);
+    else dispatch<kQ4>(a, x_dtype, x, x_stride, w, threads);
     return 0;
-#endif
 }
 
 }  // extern "C"

@@ -1,0 +1,140 @@
+// Sixteen float32 lanes for every CPU tier, behind one type (engine/model/csrc/*.cpp): the kernels are written
+// once against `VF` and its functions, and the compiler's target picks the implementation:
+//   - AVX512F + BW:           one __m512 (also the AVX512-BF16 tier, whose bfloat16 dot products are extra);
+//   - AVX2 + FMA + F16C:      two __m256 (lanes 0-7, then 8-15);
+//   - anything else:          float[16] and loops (ARM64, old x86, any compiler target): the portable tier.
+// Every function is lane-wise IEEE arithmetic (fma is fused, rounded once; add and mul rounded once), so a lane's
+// bits are the same on every tier: the kernels' results differ between tiers only where a tier has an
+// instruction the others emulate differently (AVX512-BF16's vdpbf16ps), never within one tier by batch.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define BRINE_SIMD_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BRINE_SIMD_AVX2 1
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define BRINE_SIMD_DPBF16 1  // vdpbf16ps: bfloat16 pairs, float32 sums
+#endif
+
+namespace brine::simd {
+
+// The tier this file was compiled for, as the startup log and the tests name it.
+#if defined(BRINE_SIMD_DPBF16)
+constexpr const char* kTier = "avx512-bf16";
+#elif defined(BRINE_SIMD_AVX512)
+constexpr const char* kTier = "avx512";
+#elif defined(BRINE_SIMD_AVX2)
+constexpr const char* kTier = "avx2";
+#else
+constexpr const char* kTier = "portable";
+#endif
+
+// IEEE half -> float, exact (subnormals, infinities and NaN too): the portable tier's cvtph.
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1fu) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  // subnormal: value man * 2^-24, normalised
+        int e = -1;
+        uint32_t m = man;
+        do {
+            ++e;
+            m <<= 1;
+        } while ((m & 0x400u) == 0);
+        u = sign | ((112u - static_cast<uint32_t>(e)) << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(BRINE_SIMD_AVX512)
+struct VF {
+    __m512 v;
+};
+inline VF vzero() { return {_mm512_setzero_ps()}; }
+inline VF vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline VF vfmadd(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VF vload_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline __mmask16 vmask(int count) { return count >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << count) - 1); }
+inline VF vload_part(const float* p, int count) { return {_mm512_maskz_loadu_ps(vmask(count), p)}; }
+inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x.v); }
+inline void vstore_part(float* p, VF x, int count) { _mm512_mask_storeu_ps(p, vmask(count), x.v); }
+#elif defined(BRINE_SIMD_AVX2)
+struct VF {
+    __m256 a, b;
+};
+inline VF vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline VF vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline VF vfmadd(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+inline VF vadd(VF a, VF b) { return {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
+inline VF vload_f16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void vstore(float* p, VF x) {
+    _mm256_storeu_ps(p, x.a);
+    _mm256_storeu_ps(p + 8, x.b);
+}
+inline VF vload_part(const float* p, int count) {
+    if (count >= 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    alignas(32) float t[16] = {};
+    std::memcpy(t, p, sizeof(float) * static_cast<size_t>(count));
+    return {_mm256_load_ps(t), _mm256_load_ps(t + 8)};
+}
+inline void vstore_part(float* p, VF x, int count) {
+    if (count >= 16) return vstore(p, x);
+    alignas(32) float t[16];
+    vstore(t, x);
+    std::memcpy(p, t, sizeof(float) * static_cast<size_t>(count));
+}
+#else
+struct VF {
+    float v[16];
+};
+inline VF vzero() { return VF{}; }
+inline VF vset1(float x) {
+    VF r;
+    for (int i = 0; i < 16; ++i) r.v[i] = x;
+    return r;
+}
+inline VF vfmadd(VF a, VF b, VF c) {
+    for (int i = 0; i < 16; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+}
+inline VF vadd(VF a, VF b) {
+    for (int i = 0; i < 16; ++i) a.v[i] += b.v[i];
+    return a;
+}
+inline VF vload_f16(const uint16_t* p) {
+    VF r;
+    for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]);
+    return r;
+}
+inline void vstore(float* p, VF x) { std::memcpy(p, x.v, sizeof x.v); }
+inline VF vload_part(const float* p, int count) {
+    VF r{};
+    std::memcpy(r.v, p, sizeof(float) * static_cast<size_t>(count < 16 ? count : 16));
+    return r;
+}
+inline void vstore_part(float* p, VF x, int count) {
+    std::memcpy(p, x.v, sizeof(float) * static_cast<size_t>(count < 16 ? count : 16));
+}
+#endif
+
+}  // namespace brine::simd
