@@ -6,13 +6,16 @@ with them) describe the same prompt."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import uuid
 
 import anthropic
 import httpx
 import pytest
-from e2e_server import BrineServer
+from e2e_server import ROOT, BrineServer
 from langchain_anthropic import ChatAnthropic
 
 pytestmark = pytest.mark.slow  # the real server with the default model
@@ -143,3 +146,19 @@ def test_langchain_chat_anthropic_invoke_and_stream(brine_server: BrineServer) -
     streamed = "".join(c.content if isinstance(c.content, str) else "".join(
         p.get("text", "") for p in c.content if isinstance(p, dict)) for c in chunks)  # fmt: skip
     assert streamed == answer.content  # temperature 0, same prompt
+
+
+def test_readme_messages_example_runs(brine_server: BrineServer) -> None:
+    section = (ROOT / "README.md").read_text().split("## Anthropic's Messages API", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    assert 'base_url="http://127.0.0.1:8000"' in code and 'api_key="unused"' in code
+    code = code.replace("http://127.0.0.1:8000", brine_server.base_url)
+    code = code.replace('api_key="unused"', f'api_key="{brine_server.api_key}"')
+    code = code.replace('"tenant-7"', f'"{uuid.uuid4().hex}"')  # cold the first time, whatever ran before
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})  # our own README, on purpose
+    counts = [tuple(map(int, line.split())) for line in out.getvalue().splitlines() if re.fullmatch(r"\d+ \d+ \d+", line)]  # fmt: skip
+    (created, read, rest), (created2, read2, rest2) = counts
+    assert created > 0 and read == 0 and rest > 0
+    assert created2 == 0 and read2 >= created and rest2 > 0
