@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from engine.config import EngineConfig
+from engine.errors import PromptTokenError
 from engine.output_processor import OutputProcessor, error_output
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -70,6 +71,13 @@ class EngineCore:
             enable_prefix_caching = False
         self.runner = runner
         self.tokenizer = tokenizer
+        # The ids a prompt may hold: the smaller of the model's and the tokenizer's vocabularies (either may
+        # be the larger: added tokens past the embedding, or an embedding padded past the tokenizer). None:
+        # neither says (test doubles).
+        sizes = [
+            v for v in (getattr(runner, "vocab_size", None), getattr(tokenizer, "vocab_size", None)) if v
+        ]
+        self.vocab_size: int | None = min(sizes) if sizes else None
         self.kv = KVCacheManager(
             runner.num_blocks,
             runner.block_size,
@@ -90,6 +98,13 @@ class EngineCore:
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """ValueError for a request that can never run. Reads only constants: safe from any thread."""
         params.validate()
+        vocab = self.vocab_size
+        if (
+            vocab is not None
+            and prompt_token_ids
+            and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab
+        ):
+            raise PromptTokenError(vocab)
         self.scheduler.check_request(len(prompt_token_ids), params.max_tokens)
 
     def add_request(
@@ -179,6 +194,7 @@ class EngineCore:
             iteration.num_prompt_tokens += max(
                 0, min(sr.num_prompt_tokens - sr.num_computed_tokens, len(sr.new_token_ids))
             )
+        iteration.spec_decoding = self.scheduler.take_spec_stats()
         outputs = self.outputs.process(updates, iteration)
         self._publish_events()
         self._record_stats(iteration)

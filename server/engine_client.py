@@ -53,6 +53,9 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    # The token ids a prompt may hold: the smaller of the model's and the tokenizer's vocabularies (the
+    # tokenizer's alone would let an id past the model's embedding through); None: no bound is known.
+    vocab_size: int | None
     enable_prefix_caching: bool
     block_size: int
     num_blocks: int  # KV capacity

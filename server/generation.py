@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.async_engine import EngineDeadError
-from engine.errors import ContextLengthError
+from engine.errors import ContextLengthError, PromptTokenError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputError
@@ -53,6 +53,8 @@ def engine_error(exc: BaseException) -> APIError:
         return bad_request(str(exc), exc.param)
     if isinstance(exc, ContextLengthError):
         return context_length_exceeded(exc)
+    if isinstance(exc, PromptTokenError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, ValueError):
         return bad_request(str(exc) or "invalid request")
     logger.error("engine failed while serving a request: %s", type(exc).__name__, exc_info=exc)

@@ -71,8 +71,10 @@ class FakeEngine:
         eos_after: int | None = None,  # sample EOS as the nth token (None: never)
         step_delay: float = 0.0,
         error_after: int | None = None,  # fail the request with an error output after this many steps
+        model_vocab_size: int | None = None,  # the model's vocabulary (default: the tokenizer's)
     ) -> None:
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = min(self.tokenizer.vocab_size, model_vocab_size or self.tokenizer.vocab_size)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.block_size = block_size
