@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from server.protocol import _INT64_MAX, _INT64_MIN, CACHE_SALT_CODE, CacheSalt, PromptCacheKey, _Request
@@ -91,3 +91,53 @@ class ResponsesRequest(_Request):
                     f"{MAX_METADATA_VALUE_CHARS}",
                 )
         return value
+
+
+# ---- what the routes return, for /openapi.json (the routes build plain dicts: server.serving_responses) ------
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+    cache_write_tokens: int = Field(
+        description="Prompt tokens this request computed and left cached for the next one: those of its full "
+        "blocks that were not already cached (only full blocks are cached)."
+    )
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(description="Always 0: Brine's models do not reason apart from the output.")
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int = Field(description="All prompt tokens, cached ones included (OpenAI's definition).")
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response (`object: "response"`); with `stream: true`, the same object arrives in `response.created`,
+    `response.in_progress` and `response.completed` (or `response.incomplete` / `response.failed`) events."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None = None
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]] = Field(description="Output items: `message` and `function_call`.")
+    usage: ResponseUsage | None
+    incomplete_details: dict[str, Any] | None
+    error: dict[str, Any] | None
+    instructions: str | None
+    previous_response_id: str | None
+    prompt_cache_key: str | None = Field(description="Echoed from the request: a routing hint only.")
+    store: bool
+    metadata: dict[str, str]
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool

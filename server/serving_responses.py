@@ -37,7 +37,7 @@ from server.response_store import ResponseStore
 from server.responses import now
 from server.responses_events import ResponseBuilder, item_id
 from server.responses_input import chat_messages, chat_request, check_unsupported, input_items
-from server.responses_protocol import ResponsesRequest
+from server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from server.serving_chat import ChatGeneration, PreparedChat, prepare_chat
 from server.structured import start_constrained
 from server.tenancy import request_namespace
@@ -271,25 +271,42 @@ _SALT_QUERY = Query(
     "namespace (tenant, gateway header, cache_salt) that made them.",
 )
 _STORED_ERRORS = {**BODY_ERRORS, 404: {**BODY_ERRORS[404], "description": "No such response here."}}
+_CREATED = {
+    **GENERATION_RESPONSES,
+    200: {
+        "model": ResponseObject,
+        "description": "The response, or with `stream: true` server-sent events (`event:` and `data:` lines, "
+        "each event with its `sequence_number`) ending with `response.completed` or `response.incomplete`.",
+        "content": {"text/event-stream": {}},
+    },
+}
 
 
 def install_responses_routes(app: FastAPI, engine: EngineClient, store: ResponseStore) -> None:
     app.state.response_store = store
 
-    @app.post("/v1/responses", operation_id="createResponse", responses=GENERATION_RESPONSES)
+    @app.post("/v1/responses", operation_id="createResponse", responses=_CREATED)
     async def create(body: ResponsesRequest, request: Request) -> Response:
         if not engine.is_healthy():
             raise engine_not_running()
         return await create_response(engine, store, body, request)
 
-    @app.get("/v1/responses/{response_id}", operation_id="getResponse", responses=_STORED_ERRORS)
+    @app.get(
+        "/v1/responses/{response_id}",
+        operation_id="getResponse",
+        responses={**_STORED_ERRORS, 200: {"model": ResponseObject, "description": "The stored response."}},
+    )
     async def retrieve(response_id: str, request: Request, cache_salt: str | None = _SALT_QUERY) -> dict:
         entry = store.get(response_id, request_namespace(request, _salt(cache_salt)))
         if entry is None:
             raise _not_found()
         return entry.response
 
-    @app.delete("/v1/responses/{response_id}", operation_id="deleteResponse", responses=_STORED_ERRORS)
+    @app.delete(
+        "/v1/responses/{response_id}",
+        operation_id="deleteResponse",
+        responses={**_STORED_ERRORS, 200: {"model": DeletedResponse, "description": "Forgotten."}},
+    )
     async def delete(response_id: str, request: Request, cache_salt: str | None = _SALT_QUERY) -> dict:
         if not store.delete(response_id, request_namespace(request, _salt(cache_salt))):
             raise _not_found()
