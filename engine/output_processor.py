@@ -78,6 +78,7 @@ class OutputProcessor:
             try:
                 if req.status is RequestStatus.FINISHED_ERROR:  # the scheduler failed this sequence
                     raise RuntimeError(req.error)
+                completion = self._completion(group, index, upd)  # may cut new_token_ids at a stop string
                 if upd.new_token_ids:
                     iteration.num_generation_tokens += len(upd.new_token_ids)
                     if req.first_token_time is None:
@@ -86,7 +87,6 @@ class OutputProcessor:
                     else:
                         iteration.inter_token_latencies.append(now - (req.last_token_time or now))
                     req.last_token_time = now
-                completion = self._completion(group, index, upd)
             except Exception as exc:  # e.g. a token id the tokenizer cannot decode: fail this request only
                 logger.exception("request %s failed while processing its output", group.request_id)
                 error = str(exc) or repr(exc)
@@ -108,15 +108,27 @@ class OutputProcessor:
 
     def _completion(self, group: _Group, index: int, upd: RequestUpdate) -> CompletionOutput | None:
         req, stream = upd.request, group.streams[index]
-        for token in upd.new_token_ids:
+        # Several tokens come at once from speculative decoding (engine.spec_decode); only the last one can
+        # have ended the sequence as a stop token.
+        last = len(upd.new_token_ids) - 1
+        for i, token in enumerate(upd.new_token_ids):
             # A stop token / EOS that ended the sequence is not part of its text.
-            ended_by_token = req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason in (None, token)
+            ended_by_token = (
+                i == last and req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason in (None, token)
+            )
             if ended_by_token and not req.sampling_params.include_stop_str_in_output:
                 stream.add_token(token, skip_text=True)
             elif stream.add_token(token) is not None:
                 # A stop string wins over "length" when the last allowed token completes it (as in vLLM).
                 req.stop_reason = stream.stopped_by
+                # Tokens after it in this update would not exist without speculation: gone, before the
+                # blocks are freed.
+                req.truncate_output(req.num_output_tokens - (last - i))
+                del upd.new_token_ids[i + 1 :]
+                if upd.logprobs is not None:
+                    del upd.logprobs[i + 1 :]
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, req.error)
+                break
         if req.num_cached_tokens >= 0 and index == 0:
             group.num_cached_tokens = req.num_cached_tokens
         finished = req.is_finished

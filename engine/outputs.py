@@ -51,6 +51,10 @@ class ScheduledRequest:
     # The request's `engine.structured_output.GrammarState` (its own object: the sampler reads its mask, the
     # request advances it); None for an unconstrained request.
     grammar: Any = None
+    # Speculative drafts (engine.spec_decode): the last len(draft_token_ids) of new_token_ids are guesses of
+    # the tokens after the last known one. The runner samples at every one of those positions and keeps the
+    # drafts the model agrees with (engine.spec_verify); they are not in all_token_ids.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -75,6 +79,19 @@ class RunnerOutput:
     # request_id -> why this request failed in the step (token ids outside the vocabulary, nothing left to
     # sample): the scheduler fails it alone, frees its blocks, and the batch goes on.
     errors: dict[str, str] = field(default_factory=dict)
+    # request_id -> what a request with drafts emits (instead of sampled_token_ids / logprobs for it).
+    verified: dict[str, VerifiedDrafts] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class VerifiedDrafts:
+    """The outcome of verifying one request's drafts (engine.spec_verify.accept)."""
+
+    # The accepted drafts, then the model's own next token (left out when it could not be sampled: the next
+    # step samples that position again and fails the request there).
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token, when sampling_params.logprobs is set
+    num_accepted: int  # how many drafts were kept
 
 
 class FinishReason(str, Enum):

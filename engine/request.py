@@ -143,6 +143,22 @@ class Request:
             self.grammar.accept(token_id)
         self._update_block_hashes()
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drops the output tokens past the first `num_output_tokens` (speculation appended a few tokens in one
+        step and a stop string ended the output among them): the request then looks as if it had stopped
+        there. Only for a request being finished now, never one under a grammar (the matcher cannot go back),
+        and before its blocks are freed, so that nothing past the stop gets cached."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        if self.grammar is not None:
+            raise RuntimeError("a constrained request's output cannot be truncated")
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+        if self.hasher is not None:
+            del self.block_hashes[self.num_tokens // self.hasher.block_size :]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
+
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
         """Records the prompt logprobs of a chunk that started at position `start` (entry i is for position
         start + i + 1). A recompute after preemption repeats positions we already have, and positions past the

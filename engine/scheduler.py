@@ -37,9 +37,11 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.errors import ContextLengthError
 from engine.fair_queue import FairQueue
-from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
+from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob, VerifiedDrafts
 from engine.request import Request, RequestStatus
+from engine.spec_decode import SpecDecoder
 from kv_cache.manager import KVCacheManager
+from metrics.stats import SpecDecodingStats
 
 
 @dataclass(slots=True)
@@ -59,7 +61,8 @@ class Scheduler:
         *,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
-        """Reads max_num_seqs, max_num_batched_tokens and max_model_len (resolved: not None) from `config`."""
+        """Reads max_num_seqs, max_num_batched_tokens, max_model_len (resolved: not None) and
+        speculative_config from `config`."""
         # Either at 0 would schedule nothing while requests wait: the step loop would spin and clients hang.
         if config.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
@@ -85,6 +88,9 @@ class Scheduler:
         # A request finished since the last schedule() (an abort between steps, a stop string): the engine
         # steps once more, so that the stat loggers see the freed blocks and the finished request.
         self._finished_since_schedule = False
+        # Speculative decoding (engine.spec_decode): drafts for decoding requests; None when off.
+        spec = config.speculative_config
+        self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None
 
     # ---- admission -------------------------------------------------------------------------------------
 
@@ -127,13 +133,19 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         cut: list[int] = []  # indexes into `scheduled` of prefill chunks cut at their owner's share
         preempted = False
+        if self.spec is not None:
+            self.spec.begin_step(len(self.running), self.requests)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             # A decode (one token) is never cut: it is cheap, and cutting it would stall the sequence.
             num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
-            while self.kv.allocate_slots(req, num_new) is None:
+            drafts = self.spec.propose(req, budget - 1) if self.spec is not None and remaining == 1 else []
+            while self.kv.allocate_slots(req, num_new + len(drafts)) is None:
+                if drafts:  # drafts never preempt anyone: without them first
+                    drafts = []
+                    continue
                 preempted = True
                 victim = self._kv_victim(i)  # never one scheduled earlier in this loop
                 self.running.remove(victim)
@@ -144,9 +156,9 @@ class Scheduler:
                 break
             if num_new < min(remaining, budget):
                 cut.append(len(scheduled))
-            scheduled.append(self._scheduled(req, num_new))
-            given[req.owner] += num_new
-            budget -= num_new
+            scheduled.append(self._scheduled(req, num_new, drafts))
+            given[req.owner] += num_new + len(drafts)
+            budget -= num_new + len(drafts)
             i += 1
         # Requests just preempted for room must not be overtaken by newer ones in the same step.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -257,6 +269,9 @@ class Scheduler:
             req.add_prompt_logprobs(start, result.prompt_logprobs[sr.request_id])
         if not sr.sample:
             return None
+        verified = result.verified.get(sr.request_id)
+        if verified is not None:
+            return self._apply_verified(req, sr, verified)
         token = result.sampled_token_ids.get(sr.request_id)
         if token is None:
             raise RuntimeError("the model runner returned no token for a request that had to sample")
@@ -266,6 +281,25 @@ class Scheduler:
         if status is not None:
             self.finish_requests([req.request_id], status)
         return RequestUpdate(req, [token], [logprob] if logprob is not None else None)
+
+    def _apply_verified(self, req: Request, sr: ScheduledRequest, verified: VerifiedDrafts) -> RequestUpdate:
+        """A drafted request's tokens, appended and checked one by one as if each came from its own step."""
+        assert self.spec is not None  # only a scheduler that drafts gets drafts back
+        self.spec.apply(req, len(sr.draft_token_ids), verified)
+        tokens: list[int] = []
+        status = None
+        for token in verified.token_ids:
+            req.append_output_token(token)
+            tokens.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                break  # what followed would never have been generated
+        # The last emitted token is computed by the next step, as after a plain decode step.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        if status is not None:
+            self.finish_requests([req.request_id], status)
+        logprobs = verified.logprobs[: len(tokens)] if verified.logprobs is not None else None
+        return RequestUpdate(req, tokens, logprobs)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -300,6 +334,11 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
                 self._drop_running(req)
+                if self.spec is not None:
+                    # A plain decode step caches every block its computed tokens fill when it schedules them;
+                    # accepted drafts fill blocks in between: cache those too, so the same blocks stay cached
+                    # (a no-op without drafts).
+                    self.kv.allocate_slots(req, 0)
                 self.kv.free(req)
             else:  # waiting or preempted: holds no blocks
                 self.waiting.remove(req)
@@ -333,11 +372,11 @@ class Scheduler:
         if not self._num_running[req.owner]:
             del self._num_running[req.owner]
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request_id=req.request_id,
-            new_token_ids=req.all_token_ids[start : start + num_new],
+            new_token_ids=req.all_token_ids[start : start + num_new] + (drafts or []),
             num_computed_tokens=start,
             block_ids=self.kv.get_block_ids(req.request_id),
             sample=start + num_new == req.num_tokens,
@@ -346,9 +385,14 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             grammar=req.grammar,
+            draft_token_ids=drafts or [],
         )
 
     # ---- state -----------------------------------------------------------------------------------------
+
+    def take_spec_stats(self) -> SpecDecodingStats | None:
+        """The drafts verified since the last call (None: none, or speculation is off)."""
+        return self.spec.take_stats() if self.spec is not None else None
 
     def take_num_preemptions(self) -> int:
         n, self.num_preemptions = self.num_preemptions, 0

@@ -31,6 +31,8 @@ class SchedulerStats:
     prefix_cache_preempted_hits: int = 0
     # Of prefix_cache_hits, tokens in blocks of a declared public prefix (shared across cache namespaces).
     prefix_cache_public_hits: int = 0
+    # Of prefix_cache_hits, tokens loaded from a KV tier behind the pool, by tier ("host" | "disk").
+    prefix_cache_tier_hits: dict[str, int] = field(default_factory=dict)
     # Number of requests behind prefix_cache_queries (kv_cache's PrefixCacheStats.requests). Added beyond the
     # contract so the log line can give the hit rate over the last N *requests*; when the engine leaves it at
     # 0, a step with queries counts as one request.
@@ -62,6 +64,27 @@ class FinishedRequestStats:
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding in one step, as vLLM counts it: a draft is one request's guesses in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Entry i: drafts whose token at position i was accepted (so it never grows along the list).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+
+@dataclass(slots=True)
 class IterationStats:
     """Work done in one step."""
 
@@ -72,6 +95,7 @@ class IterationStats:
     ttfts: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)  # one per later token this step
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats | None = None  # None: no request verified drafts this step
 
 
 class StatLogger(Protocol):
