@@ -158,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
         "compiled and graph-captured step: Brine's counterpart is one native call for all the layers of a step, "
         "used on CPU wherever every piece has a kernel (same bits either way; default: off)",
     )
+    s.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        dest="speculative_config",
+        metavar="JSON",
+        help='prompt-lookup speculative decoding, in vLLM\'s shape: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (plus Brine\'s '
+        '"disable_by_batch_size" and "max_draft_tokens_per_step"). Drafts come from each request\'s own tokens '
+        "only; the output is the same tokens and logprobs as without it, only sooner (default: off)",
+    )
     s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
     s.add_argument(
         "--api-key",
@@ -277,6 +288,15 @@ def tenant_key(tenant: str) -> int:
     print("Line for the --tenants file:")
     print(line)
     return 0
+
+
+def _speculative_config(value: str) -> object:
+    from engine.spec_config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_json(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _kv_events_endpoint(value: str) -> str:
