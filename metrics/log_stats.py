@@ -5,6 +5,11 @@ Every `interval` seconds while the engine is busy, one INFO line on the `brine.m
     Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 21.0 tokens/s, Running: 2 reqs,
     Waiting: 0 reqs, KV cache usage: 7.8%, Prefix cache hit rate: 49.6% (1984/4000 tokens, last 3 requests)
 
+With speculative decoding, a window that verified drafts adds its draft acceptance rate and mean acceptance
+length (tokens per verified draft, the model's own next token included), as vLLM's SpecDecoding line does:
+
+    ..., Spec decode acceptance rate: 71.2% (299/420 draft tokens), mean acceptance length 3.42
+
 The hit rate is over the last `window_requests` requests (not since start: an old warm-up would hide a cache
 that stopped paying), and shows the token counts behind it, or "n/a" before any lookup, never a made-up 0%.
 Prompt throughput counts tokens the model computed; cache hits are not computed and do not inflate it.
@@ -19,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from metrics.stats import IterationStats, SchedulerStats
+from metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("brine.metrics")
 
@@ -89,6 +94,7 @@ class LoggingStatLogger:
         self._window_start = clock()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._spec = SpecDecodingStats()  # drafts verified in the current window
         self._last: SchedulerStats = SchedulerStats()
         self._last_line_idle = True  # so the idle time before the first request logs nothing
         # The timer starts with the first step (tests pass autostart=False and call tick()).
@@ -101,6 +107,11 @@ class LoggingStatLogger:
             s, it = scheduler_stats, iteration_stats
             self._prompt_tokens += it.num_prompt_tokens
             self._generation_tokens += it.num_generation_tokens
+            if it.spec_decoding is not None:
+                sd = it.spec_decoding
+                self._spec.num_drafts += sd.num_drafts
+                self._spec.num_draft_tokens += sd.num_draft_tokens
+                self._spec.num_accepted_tokens += sd.num_accepted_tokens
             if s.prefix_cache_reset:
                 self.window.clear()
             requests = s.prefix_cache_requests or (1 if s.prefix_cache_queries else 0)
@@ -135,6 +146,7 @@ class LoggingStatLogger:
                 self._log.info("%s", self.format_line(end))
             self._last_line_idle = not busy
             self._prompt_tokens = self._generation_tokens = 0
+            self._spec = SpecDecodingStats()
             self._window_start = end
 
     def format_line(self, end: float | None = None) -> str:
@@ -151,10 +163,18 @@ class LoggingStatLogger:
             if hit is None
             else f"{100 * hit:.1f}% ({w.hits}/{w.queries} tokens, last {w.requests} requests)"
         )
+        sd = self._spec
+        spec_text = (
+            f", Spec decode acceptance rate: {100 * sd.num_accepted_tokens / sd.num_draft_tokens:.1f}% "
+            f"({sd.num_accepted_tokens}/{sd.num_draft_tokens} draft tokens), mean acceptance length "
+            f"{1 + sd.num_accepted_tokens / sd.num_drafts:.2f}"
+            if sd.num_draft_tokens
+            else ""
+        )
         return (
             f"Avg prompt throughput: {rate(self._prompt_tokens)}, "
             f"Avg generation throughput: {rate(self._generation_tokens)}, "
             f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
             f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
-            f"Prefix cache hit rate: {hit_text}"
+            f"Prefix cache hit rate: {hit_text}{spec_text}"
         )

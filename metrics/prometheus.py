@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from metrics.stats import IterationStats, SchedulerStats
+from metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 # Pre-created so every reason is exported as 0 before the first request finishes: a scraper computing
 # rate() needs the series to exist before it increments.
@@ -150,6 +150,24 @@ class PrometheusStatLogger:
             "brine_request_generation_tokens", "Generated tokens per finished request.", token_buckets()
         )
 
+        # Speculative decoding, as vLLM names it (vllm:spec_decode_*): a draft is one request's guesses in one
+        # step; position i counts the drafts whose i-th token was accepted.
+        self.spec_decode_num_drafts = counter("brine_spec_decode_num_drafts", "Drafts verified.")
+        self.spec_decode_num_draft_tokens = counter(
+            "brine_spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "brine_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (the model would have sampled them).",
+        )
+        self._spec_per_pos = Counter(
+            "brine_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position (0-based) was accepted.",
+            ["model_name", "position"],
+            registry=reg,
+        )
+        self.spec_decode_num_accepted_tokens_per_pos: list[Counter] = []
+
         structured = Counter(
             "brine_structured_output_requests",
             "Requests with a structured-output constraint (forced tool calls count as json_schema), by kind.",
@@ -192,6 +210,8 @@ class PrometheusStatLogger:
             self.num_preemptions.inc(s.num_preemptions)
             self.prompt_tokens.inc(it.num_prompt_tokens)
             self.generation_tokens.inc(it.num_generation_tokens)
+            if it.spec_decoding is not None:
+                self._record_spec(it.spec_decoding)
             for t in it.ttfts:
                 self.ttft.observe(t)
             for t in it.inter_token_latencies:
@@ -212,6 +232,16 @@ class PrometheusStatLogger:
                 self.generation_length.observe(f.num_generation_tokens)
                 for t in f.mean_times_per_output_token:  # one per sequence with > 1 token
                     self.time_per_output_token.observe(t)
+
+    def _record_spec(self, sd: SpecDecodingStats) -> None:
+        self.spec_decode_num_drafts.inc(sd.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(sd.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(sd.num_accepted_tokens)
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+            if pos == len(per_pos):  # a series per position once a draft reaches it
+                per_pos.append(self._spec_per_pos.labels(self.model_name, str(pos)))
+            per_pos[pos].inc(n)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) for `GET /metrics`, in the Prometheus text format."""

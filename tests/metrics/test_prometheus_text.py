@@ -40,6 +40,10 @@ HELP = {
     "brine_grammar_compile_seconds": (
         "Time to compile one structured-output grammar (cache misses only; a cached schema costs none)."
     ),
+    "brine_spec_decode_num_drafts": "Drafts verified.",
+    "brine_spec_decode_num_draft_tokens": "Draft tokens verified.",
+    "brine_spec_decode_num_accepted_tokens": "Draft tokens accepted (the model would have sampled them).",
+    "brine_spec_decode_num_accepted_tokens_per_pos": "Drafts whose token at this position (0-based) was accepted.",
 }
 
 
