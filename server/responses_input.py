@@ -162,6 +162,8 @@ def check_unsupported(req: ResponsesRequest) -> None:
         raise bad_request(
             "conversation is not supported; continue with previous_response_id instead.", "conversation"
         )
+    if req.prompt is not None:
+        raise bad_request("prompt templates are not supported; send input and instructions.", "prompt")
     if req.top_logprobs:
         raise bad_request("top_logprobs is not supported on /v1/responses.", "top_logprobs")
 

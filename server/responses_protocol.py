@@ -2,7 +2,7 @@
 
 Fields follow OpenAI's `ResponseCreateParams` where Brine can honour them, plus `cache_salt` (as on chat) and
 vLLM's sampling extras. What Brine cannot honour is refused with a 400 naming the field rather than silently
-ignored (`background`, `conversation`, `top_logprobs`, tools that are not functions); fields that change
+ignored (`background`, `conversation`, `prompt`, `top_logprobs`, tools that are not functions); fields that change
 nothing a client can observe here (`reasoning`, `include`, `service_tier`, `truncation`, ...) are ignored as
 on chat. Input items are checked one by one in `server.responses_input`, which names the item in its 400.
 """
@@ -61,6 +61,7 @@ class ResponsesRequest(_Request):
     # Refused when set (Brine has no background jobs, no server-side conversations, no logprobs here).
     background: bool | None = False
     conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None  # a prompt template stored at OpenAI
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM extras
     seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)

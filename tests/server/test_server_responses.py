@@ -228,6 +228,7 @@ def test_get_and_delete_a_stored_response(sdk: openai.OpenAI, client: TestClient
         ({"background": True}, "background", None),
         ({"conversation": "conv_1"}, "conversation", None),
         ({"top_logprobs": 2}, "top_logprobs", None),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt", None),
         ({"cache_salt": None}, "cache_salt", "invalid_cache_salt"),
         ({"cache_salt": ""}, "cache_salt", "invalid_cache_salt"),
         ({"prompt_cache_key": ""}, "prompt_cache_key", None),
