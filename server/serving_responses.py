@@ -56,6 +56,8 @@ _PARAMS = {
 
 def _renamed(exc: APIError) -> APIError:
     if exc.param in _PARAMS:
+        # e.g. "The chat template could not render these messages" (server.prompts)
+        exc.message = exc.message.replace("these messages", "this input")
         exc.message = exc.message.replace(exc.param, _PARAMS[exc.param])
         exc.param = _PARAMS[exc.param]
     exc.message = exc.message.replace("max_completion_tokens", "max_output_tokens")
