@@ -16,11 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.errors import ContextLengthError
 from engine.piece_cache import PieceCache
 from engine.split_encode import special_prefix, split, split_for_reuse, why_not_splittable
 from kv_cache.namespace import CacheNamespace, Owner
 
 logger = logging.getLogger(__name__)
+
+# Reused pieces looked up and encoded at a time when a prompt has a token limit: how far past the limit (at
+# most 16 x 2 KB of text) a too-long prompt is tokenized before it is refused.
+REUSE_GROUP = 16
+LONG_DECODE = 1024  # ids; shorter lists (the detokenizer's windows) decode in less than the batch's overhead
 
 
 class Tokenizer:
@@ -44,6 +50,14 @@ class Tokenizer:
         # Pieces of earlier prompts, reused where a prompt repeats them (engine.piece_cache); only where pieces
         # are exact, as above.
         self.pieces = PieceCache()
+        # Characters one token stands for at most, where that is provable: a byte-level BPE token stands for at
+        # most as many characters as its vocabulary string has (one per byte), and NFC composes at most 4 code
+        # points into one (Greek: alpha + 3 marks). A text longer than limit x this has more than `limit`
+        # tokens: refused without tokenizing it. None: no bound (other tokenizers are tokenized whole).
+        self.max_chars_per_token: int | None = None
+        if not why_not:
+            longest = max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+            self.max_chars_per_token = longest * (4 if config.get("normalizer") else 1)
         if why_not:
             logger.debug("long prompts are encoded whole: %s", why_not)
 
@@ -57,6 +71,7 @@ class Tokenizer:
         *,
         reuse: bool = False,
         namespace: CacheNamespace | None = None,
+        limit: int | None = None,
     ) -> list[int]:
         """`add_special_tokens=False` for text rendered by the chat template, which already has them.
 
@@ -69,35 +84,51 @@ class Tokenizer:
 
         `reuse`: the pieces of a prompt (a generation request's, in `namespace`) are looked up among, and kept
         with, the pieces of earlier prompts in the same namespace (engine.piece_cache), so a repeated document
-        is tokenized once."""
+        is tokenized once.
+
+        `limit`: a prompt's most tokens (the context length). A text found to have more is refused with
+        `ContextLengthError` before the rest of it is tokenized: at once where `max_chars_per_token` proves it,
+        else after the piece (or group of pieces) that passes the limit. Without pieces, tokenized whole."""
+        if limit is not None and self.max_chars_per_token and len(text) > limit * self.max_chars_per_token:
+            raise _too_long(limit)
         if not self.encode_pieces:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         prefix = self.special_prefix if add_special_tokens else []
         if reuse:
             pieces = split_for_reuse(text)
             if len(pieces) > 1:
-                return prefix + self._encode_reusing(pieces, namespace)
+                return self._encode_reusing(pieces, namespace, list(prefix), limit)
         pieces = split(text, self.encode_pieces)
         if len(pieces) == 1:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return prefix + [
-            i for enc in self.backend.encode_batch(pieces, add_special_tokens=False) for i in enc.ids
-        ]
+        out = list(prefix)
+        step = self.encode_pieces if limit is not None else len(pieces)  # one batch on the backend's threads
+        for at in range(0, len(pieces), step):
+            if limit is not None and len(out) > limit:
+                raise _too_long(limit)
+            batch = self.backend.encode_batch(pieces[at : at + step], add_special_tokens=False)
+            out += [i for enc in batch for i in enc.ids]
+        return out
 
-    def _encode_reusing(self, pieces: list[str], namespace: CacheNamespace | None) -> list[int]:
-        found = self.pieces.lookup(namespace, pieces)
-        missing = [p for p, ids in zip(pieces, found, strict=True) if ids is None]
-        if missing:  # one batch, on the backend's threads
-            fresh = [
-                array("i", enc.ids) for enc in self.backend.encode_batch(missing, add_special_tokens=False)
-            ]
-            self.pieces.store(namespace, missing, fresh)
-            new = iter(fresh)
-            found = [ids if ids is not None else next(new) for ids in found]
-        out: list[int] = []
-        for ids in found:
-            assert ids is not None
-            out.extend(ids)
+    def _encode_reusing(
+        self, pieces: list[str], namespace: CacheNamespace | None, out: list[int], limit: int | None
+    ) -> list[int]:
+        step = REUSE_GROUP if limit is not None else len(pieces)
+        for at in range(0, len(pieces), step):
+            if limit is not None and len(out) > limit:
+                raise _too_long(limit)
+            group = pieces[at : at + step]
+            found = self.pieces.lookup(namespace, group)
+            missing = [p for p, ids in zip(group, found, strict=True) if ids is None]
+            if missing:  # one batch, on the backend's threads
+                batch = self.backend.encode_batch(missing, add_special_tokens=False)
+                fresh = [array("i", enc.ids) for enc in batch]
+                self.pieces.store(namespace, missing, fresh)
+                new = iter(fresh)
+                found = [ids if ids is not None else next(new) for ids in found]
+            for ids in found:
+                assert ids is not None
+                out.extend(ids)
         return out
 
     def forget_pieces(self, owner: Owner | None = None) -> None:
@@ -106,7 +137,12 @@ class Tokenizer:
         self.pieces.forget(owner)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = list(token_ids)
+        if len(ids) > LONG_DECODE:
+            # `decode` holds the GIL throughout (131,072 ids: 74 ms, and every other thread, the event loop's
+            # included, waits); `decode_batch` releases it while the Rust side works.
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_str(self, token_id: int) -> str:
         """Text of a single token (for logprobs); may be U+FFFD for a partial UTF-8 byte."""
@@ -159,3 +195,7 @@ class Tokenizer:
             elif isinstance(eos, list):
                 ids.update(int(i) for i in eos)
         return ids
+
+
+def _too_long(limit: int) -> ContextLengthError:
+    return ContextLengthError(limit, f"your prompt has more than {limit} tokens.")

@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
 from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
-from server.engine_client import EngineClient
+from server.engine_client import EngineClient, TokenizerLike
 from server.errors import APIError, bad_request, engine_not_running, install_error_handlers
 from server.generation import ClientDisconnected
 from server.limits import RequestLimits
@@ -35,6 +35,16 @@ from server.serving_completion import create_completion
 from server.serving_responses import install_responses_routes
 from server.tenancy import TenancyConfig, request_owner
 from server.text_check import check_text
+
+DETOKENIZE_THREADS = 2
+
+
+def _decode(tokenizer: TokenizerLike, tokens: list[int]) -> str:
+    """`/detokenize`'s work, in a worker thread: the vocabulary check is a pass over every id too."""
+    vocab = tokenizer.vocab_size
+    if any(t < 0 or (vocab is not None and t >= vocab) for t in tokens):
+        raise bad_request("tokens contains a token id outside the vocabulary.", "tokens")
+    return tokenizer.decode(tokens)
 
 
 class MetricsRenderer(Protocol):
@@ -182,14 +192,24 @@ def create_app(
             )
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
+    # Decoding a long list costs milliseconds per thousand ids: never on the event loop (every stream's
+    # tokens go out from it), and at most two at once, so a flood of big bodies queues here instead of
+    # taking every worker thread that tokenizing needs.
+    detokenizing = anyio.CapacityLimiter(DETOKENIZE_THREADS)
+
     @app.post("/detokenize", operation_id="detokenize", responses=BODY_ERRORS)
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_text(req)
         check_model(req.model, engine.model_name)
-        vocab = engine.tokenizer.vocab_size
-        if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
-            raise bad_request("tokens contains a token id outside the vocabulary.", "tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        limit = app.state.limits.max_detokenize_tokens
+        if len(req.tokens) > limit:
+            raise bad_request(
+                f"Invalid 'tokens': at most {limit} token ids per request, got {len(req.tokens)}.",
+                "tokens",
+                "array_above_max_length",
+            )
+        text = await anyio.to_thread.run_sync(_decode, engine.tokenizer, req.tokens, limiter=detokenizing)
+        return {"prompt": text}
 
     @app.post("/reset_prefix_cache", operation_id="resetPrefixCache")
     async def reset_prefix_cache(

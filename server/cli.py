@@ -39,6 +39,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -227,6 +234,45 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="sequences one request may start: prompts x n (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-detokenize-tokens",
+        type=_positive,
+        default=131072,
+        metavar="N",
+        help="token ids one /detokenize request may send (default: %(default)s)",
+    )
+    s.add_argument(
+        "--grammar-compile-workers",
+        type=_positive,
+        default=2,
+        metavar="N",
+        help="structured-output compiles that run at once, each in a worker process that is killed on "
+        "timeout or when its client goes (default: %(default)s; ~300 MB each)",
+    )
+    s.add_argument(
+        "--grammar-compile-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="longest a structured-output constraint may take to compile; longer is a 400 naming the field "
+        "(default: %(default)s)",
+    )
+    s.add_argument(
+        "--grammar-cache-memory",
+        type=_memory,
+        default="256MiB",
+        metavar="SIZE",
+        help="memory of compiled grammars kept for reuse (per cache namespace), least recently used out; a "
+        "grammar bigger than this is refused (default: %(default)s)",
+    )
+    s.add_argument(
+        "--grammar-mask-budget-ms",
+        type=_positive_float,
+        default=10.0,
+        metavar="MS",
+        help="CPU time one token's grammar mask may cost: a constraint over it from the first token is a "
+        "400, and a sequence whose mask grows past it fails alone (default: %(default)s)",
     )
     s.add_argument(
         "--tenants",

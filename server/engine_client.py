@@ -30,6 +30,7 @@ class TokenizerLike(Protocol):
         *,
         reuse: bool = False,
         namespace: CacheNamespace | None = None,
+        limit: int | None = None,
     ) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...

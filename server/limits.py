@@ -1,4 +1,5 @@
-"""How much one request may ask for: stop strings, stop token ids, logit_bias entries, prompts, sequences.
+"""How much one request may ask for: stop strings, stop token ids, logit_bias entries, prompts, sequences,
+token ids to detokenize.
 
 Each limit is a `brine serve` flag; the defaults are OpenAI's where OpenAI has a limit (4 stop strings, n at
 most 128, which `server.protocol` enforces) and generous but bounded elsewhere. A request over a limit is a 400
@@ -28,6 +29,7 @@ class RequestLimits:
     max_logit_bias: int = 1024
     max_prompts: int = 128  # prompts in one /v1/completions request
     max_seqs_per_request: int = 256  # prompts x n: the sequences one request makes the engine run
+    max_detokenize_tokens: int = 131072  # token ids in one /detokenize body
 
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:

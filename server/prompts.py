@@ -15,6 +15,7 @@ from typing import Any, ParamSpec, TypeVar
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from engine.errors import ContextLengthError
 from kv_cache.namespace import CacheNamespace
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
@@ -85,14 +86,21 @@ def encode(
     param: str = "prompt",
     reuse: bool = False,
     namespace: CacheNamespace | None = None,
+    limit: int | None = None,
 ) -> list[int]:
     """Token ids of `text`; text the tokenizer refuses is the client's to fix: a 400 naming `param`.
     `reuse`: a generation request's prompt, whose pieces the tokenizer may reuse from and keep for earlier
-    prompts of the same cache `namespace` (engine.piece_cache)."""
+    prompts of the same cache `namespace` (engine.piece_cache). `limit`: the context length; a text the
+    tokenizer finds longer is a `ContextLengthError` naming `param`, raised before all of it is tokenized
+    (a 4 MB prompt must not hold a worker thread for a second to learn that it does not fit)."""
     try:
-        return list(
-            tokenizer.encode(text, add_special_tokens=add_special_tokens, reuse=reuse, namespace=namespace)
+        ids = tokenizer.encode(
+            text, add_special_tokens=add_special_tokens, reuse=reuse, namespace=namespace, limit=limit
         )
+        return list(ids)
+    except ContextLengthError as exc:
+        exc.param = param
+        raise
     except Exception as exc:
         logger.info("the tokenizer refused the text of %s: %s", param, type(exc).__name__)
         raise bad_request(f"{param} contains text that cannot be tokenized.", param, "invalid_text") from None
@@ -108,9 +116,10 @@ def render_chat(
     tools: list[Any] | None = None,
     reuse: bool = False,
     namespace: CacheNamespace | None = None,
+    limit: int | None = None,
 ) -> list[int]:
     """The prompt of a chat: `messages` (and `tools`, for templates that render them) through the model's
-    template, then tokenized (`reuse`, `namespace`: as `encode`'s)."""
+    template, then tokenized (`reuse`, `namespace`, `limit`: as `encode`'s)."""
     kwargs = dict(chat_template_kwargs or {})
     if "chat_template" in kwargs:
         # The template comes from the model. A request's own template would be an arbitrary Jinja program: even
@@ -142,7 +151,13 @@ def render_chat(
         raise bad_request("The chat template did not produce text.", "messages")
     # The rendered template already contains the special tokens it wants (BOS included, if any).
     return encode(
-        tokenizer, text, add_special_tokens=False, param="messages", reuse=reuse, namespace=namespace
+        tokenizer,
+        text,
+        add_special_tokens=False,
+        param="messages",
+        reuse=reuse,
+        namespace=namespace,
+        limit=limit,
     )
 
 
@@ -151,9 +166,11 @@ def completion_prompts(
     prompt: str | list[str] | list[int] | list[list[int]] | None,
     vocab: int | None,
     namespace: CacheNamespace | None = None,
+    limit: int | None = None,
 ) -> list[list[int]]:
     """One list of token ids per prompt; text prompts are encoded with the tokenizer's special tokens, reusing
-    the pieces of earlier prompts of the request's cache `namespace` (see `encode`)."""
+    the pieces of earlier prompts of the request's cache `namespace`, and refused once past `limit` tokens
+    (see `encode`)."""
     if prompt is None:
         raise bad_request("prompt is required.", "prompt")
     if isinstance(prompt, str):
@@ -169,7 +186,13 @@ def completion_prompts(
         if isinstance(item, str):
             out.append(
                 encode(
-                    tokenizer, item, add_special_tokens=True, param="prompt", reuse=True, namespace=namespace
+                    tokenizer,
+                    item,
+                    add_special_tokens=True,
+                    param="prompt",
+                    reuse=True,
+                    namespace=namespace,
+                    limit=limit,
                 )
             )
             continue

@@ -67,6 +67,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
         max_logit_bias=args.max_logit_bias,
         max_prompts=args.max_prompts_per_request,
         max_seqs_per_request=args.max_seqs_per_request,
+        max_detokenize_tokens=args.max_detokenize_tokens,
     )
 
 

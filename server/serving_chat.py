@@ -67,6 +67,7 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
         tools=req.tools if req.tool_choice != "none" else None,
         reuse=True,
         namespace=namespace,
+        limit=engine.max_model_len,
     )
     params = sampling_params(
         req,

@@ -38,7 +38,9 @@ async def prepare_completion(engine: EngineClient, req: CompletionRequest, reque
     namespace = check_generation(engine, req, request, check_completion_features)
     constraint = structured_spec(req)
     vocab = engine.vocab_size  # the model's too: a token-id prompt past its embedding is a 400 here
-    prompts = await off_loop(completion_prompts, engine.tokenizer, req.prompt, vocab, namespace)
+    prompts = await off_loop(
+        completion_prompts, engine.tokenizer, req.prompt, vocab, namespace, engine.max_model_len
+    )
     # The longest prompt decides the context check; each prompt gets the same max_tokens.
     params = sampling_params(
         req,

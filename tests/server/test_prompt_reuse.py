@@ -35,9 +35,9 @@ def test_a_generation_prompt_is_reused_within_its_own_namespace(
     make = completion_body if route == "/v1/completions" else chat_body
     assert client.post(route, json=make("some text", cache_salt="s1")).status_code == 200
     assert client.post(route, json=make("some text")).status_code == 200
-    assert calls == [
-        {"reuse": True, "namespace": CacheNamespace(salt="s1")},
-        {"reuse": True, "namespace": None},
+    assert calls == [  # limit: the context length (the fake engine's 256), past which tokenizing stops
+        {"reuse": True, "namespace": CacheNamespace(salt="s1"), "limit": 256},
+        {"reuse": True, "namespace": None, "limit": 256},
     ]
 
 
