@@ -98,7 +98,12 @@ def create_app(
     install_error_handlers(app)
     install_openapi(app)
     # Added last = outermost: a request without a valid key is refused before its body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    # /detokenize's body is bounded by its token limit (12 bytes an id, at most: 10 digits and ", "), so a body
+    # far past it is refused before FastAPI parses it on the event loop.
+    detokenize_bytes = min(max_body_bytes, 4096 + 12 * (limits or RequestLimits()).max_detokenize_tokens)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=max_body_bytes, path_limits={"/detokenize": detokenize_bytes}
+    )
     # Always installed: with no keys (and no tenants) it lets HTTP through, and still refuses WebSockets and
     # other scopes.
     app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), tenants=tenancy.tenants)

@@ -29,21 +29,27 @@ def too_large(limit: int) -> APIError:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES, path_limits: dict[str, int] | None = None
+    ) -> None:
+        """`path_limits`: lower caps for some paths (`/detokenize`: FastAPI parses a body on the event loop,
+        ~20 ms per MB of token ids, before the route can count them)."""
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = ""
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 declared = value.decode("latin-1")
                 break
-        if declared.isdigit() and (len(declared) > 19 or int(declared) > self.max_bytes):
-            await too_large(self.max_bytes).response()(scope, receive, send)
+        if declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+            await too_large(limit).response()(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -55,8 +61,8 @@ class BodyLimitMiddleware:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
-                await too_large(self.max_bytes).response()(scope, receive, send)
+            if size > limit:
+                await too_large(limit).response()(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-detokenize-tokens",
         type=_positive,
-        default=131072,
+        default=32768,
         metavar="N",
         help="token ids one /detokenize request may send (default: %(default)s)",
     )

@@ -29,7 +29,7 @@ class RequestLimits:
     max_logit_bias: int = 1024
     max_prompts: int = 128  # prompts in one /v1/completions request
     max_seqs_per_request: int = 256  # prompts x n: the sequences one request makes the engine run
-    max_detokenize_tokens: int = 131072  # token ids in one /detokenize body
+    max_detokenize_tokens: int = 32768  # token ids in one /detokenize body (4x the default model's context)
 
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:

@@ -84,3 +84,13 @@ def test_generation_routes_give_the_tokenizer_the_context_length() -> None:
         r = client.post("/v1/chat/completions", json=chat_body(long, max_tokens=2))
         assert_error(r, 400, "messages", "context_length_exceeded")
     assert len(engine.calls) == 2  # nothing over the limit reached the engine
+
+
+def test_a_detokenize_body_far_past_its_token_limit_is_refused_before_it_is_parsed() -> None:
+    engine = FakeEngine(model_name=MODEL)
+    with _client(engine, max_detokenize_tokens=4) as client:
+        r = client.post("/detokenize", json={"model": MODEL, "tokens": [75] * 2000})
+        assert_error(r, 413, code="request_too_large")
+        # Other routes keep the server's whole cap.
+        ok = client.post("/tokenize", json={"model": MODEL, "prompt": "x" * 9000})
+        assert ok.status_code == 200, ok.text
