@@ -26,6 +26,7 @@ from engine.model.attention import AttentionMetadata, slot_ids
 from engine.model.cpu_linear import PackedLinear
 from engine.model.device import resolve_device, resolve_dtype, select_backend
 from engine.model.loader import load_model
+from engine.model.native_kernels import describe as describe_kernels
 from engine.model.native_stack import NativeStack
 from engine.model.quant_linear import QuantLinear
 from engine.model.transfer import index_tensor, to_device
@@ -93,10 +94,11 @@ class ModelRunner:
             (None, "--enforce-eager") if config.enforce_eager else NativeStack.build(self.model)
         )
         logger.info(
-            "model %s on %s (%s), linears %s, attention backend %s, layers %s, batch invariance %s",
+            "model %s on %s (%s), kernels %s, linears %s, attention backend %s, layers %s, batch invariance %s",
             self.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            describe_kernels() if self.device.type == "cpu" else "cuda",
             self.linear_weights,
             self.attention_backend,
             "in one native call per step" if self.model.native_stack else f"from Python ({why_not})",

@@ -12,6 +12,14 @@ rows to the multiple that `invariance.row_multiple` measured for its shape on th
 differ from `F.linear`'s in the last bits (another accumulation order); both agree with transformers within
 the model tests' tolerance.
 
+bfloat16 on a CPU without native bfloat16 (no AVX512-BF16, no AMX: Skylake to Ice Lake Xeons, every AVX2
+machine): oneDNN emulates bfloat16 there, and its kernels are not row-count invariant (an Ice Lake Xeon: one
+row of a 576 -> 3,072 product, taken alone, differed from the same row among 700), while a probe cannot see it:
+the products are rounded to bfloat16, which hides a different float32 sum in all but a few rows. So there the
+layer keeps the bfloat16 weights' exact values in float32 and runs the float32 packed kernel, whose results
+the probe compares in full float32 bits, then rounds the output to bfloat16: a bfloat16 model's linears are
+then x W^T rounded once (as oneDNN's emulation computes it, in float32), at float32's cost.
+
 A packed weight is an opaque `torch._mkldnn` tensor: the model cannot be moved or cast afterwards, which is
 why packing is the last step of loading. A tied output head gets its own packed copy of the embedding matrix
 (the lookup needs the plain one): 56 MB more for the default model in bfloat16.
@@ -32,6 +40,14 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 HEAD_PROBE_ROWS = 16
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a packed linear of `dtype` computes in here: float32 for bfloat16 where the CPU has no native
+    bfloat16 (see the module docstring), else `dtype` itself."""
+    from engine.model.device import cpu_has_native_bf16
+
+    return torch.float32 if dtype == torch.bfloat16 and not cpu_has_native_bf16() else dtype
+
+
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """True where this torch build can run linears of `dtype` on packed oneDNN weights."""
     if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
@@ -40,7 +56,7 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
             return False
-        return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+        return compute_dtype(dtype) != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # pragma: no cover - builds without these ops
         return False
 
@@ -53,35 +69,45 @@ class PackedLinear(nn.Module):
     """y = x W^T + b with W held packed; a drop-in for an `nn.Linear` at inference, on a flat [M, in] input.
 
     `row_multiple`: inputs are padded with zero rows to a multiple of it (1 = never), so that every row
-    gets the bits it would get in any other batch (see `invariance`).
+    gets the bits it would get in any other batch (see `invariance`). A bfloat16 weight computes in
+    `compute_dtype(bfloat16)`: float32 on CPUs without native bfloat16 (the output is still bfloat16).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_multiple: int = 1) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.dtype, self.compute = weight.dtype, compute_dtype(weight.dtype)
         # The batch-size hint only picks the initial blocking: the packed weight serves every batch size.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.bias = None if bias is None else bias.detach().contiguous()
+        w = weight.detach().to(self.compute).contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        self.bias = None if bias is None else bias.detach().to(self.compute).contiguous()
         self.row_multiple = row_multiple
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         m = x.shape[0]
-        y = _linear(pad_rows(x.contiguous(), self.row_multiple), self.packed, self.bias)
-        return y if y.shape[0] == m else y[:m]
+        y = _linear(pad_rows(x.to(self.compute).contiguous(), self.row_multiple), self.packed, self.bias)
+        y = y if y.shape[0] == m else y[:m]
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed, rows%{self.row_multiple}"
+        via = "" if self.compute == self.dtype else f", computed in {self.compute}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed{via}, rows%{self.row_multiple}"
 
 
 @functools.cache
 def probe_row_multiple(in_features: int, out_features: int, dtype: torch.dtype, max_rows: int) -> int:
-    """The row multiple that makes a packed [out, in] linear batch-invariant here (cached per shape)."""
+    """The row multiple that makes a packed [out, in] linear batch-invariant here (cached per shape); probed
+    in the dtype the layer computes in (compute_dtype)."""
+    dtype = compute_dtype(dtype)
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=g) * in_features**-0.5).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
     rows = torch.randn(max_rows + 8, in_features, generator=g).to(dtype)
     return row_multiple(
-        lambda x: _linear(x.contiguous(), packed, None), rows, f"packed linear {in_features}->{out_features}"
+        lambda x: _linear(x.contiguous(), packed, None),
+        rows,
+        f"packed {dtype} linear {in_features}->{out_features}",
+        strict=True,
     )
 
 

@@ -32,6 +32,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX, unless BRINE_CPU_TIER makes Brine run as on a lower tier (native_kernels)."""
+    from engine.model.native_kernels import selected_tier
+
+    try:
+        if selected_tier() is not None:
+            return False
+    except ValueError:  # an unknown tier: the kernels' load() reports it
+        pass
     check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     try:

@@ -35,10 +35,17 @@ ROW_MULTIPLES = (1, 2, 4, 8, 16)
 PROBE_ROWS = (*range(1, 41), 47, 48, 63, 64, 65, 96, 127, 128, 129, 200, 255, 256, 257, 300)
 
 
-def row_multiple(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, what: str) -> int:
+class NotInvariantError(ValueError):
+    """No row padding makes a kernel row-count invariant on this CPU (raised where invariance is required)."""
+
+
+def row_multiple(
+    fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, what: str, strict: bool = False
+) -> int:
     """Smallest row multiple m for which `fn` (a row-wise map [M, ...] -> [M, ...]) gives every row the
     same bits whatever M is, once M is padded up to a multiple of m. `rows`: a sample input; row counts
-    up to its length (less the offset) are probed."""
+    up to its length (less the offset) are probed. Where none agrees: NotInvariantError if `strict`, else
+    a warning and the largest multiple."""
     with torch.inference_mode():
         ref = fn(rows)
         bad: set[int] = set()
@@ -51,6 +58,11 @@ def row_multiple(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
     for multiple in ROW_MULTIPLES:
         if not any(m % multiple == 0 for m in bad):
             return multiple
+    if strict:
+        raise NotInvariantError(
+            f"{what}: no row padding makes this CPU's kernel give a row the same bits in every batch "
+            f"(differing row counts {sorted(bad)[:8]}; {isa_summary()})"
+        )
     logger.warning(
         "%s: batch invariance is not guaranteed on this CPU: no row padding makes the kernel agree "
         "(differing row counts %s); "

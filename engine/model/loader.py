@@ -20,6 +20,7 @@ from engine.model.config import ModelConfig, load_config
 from engine.model.cpu_linear import pack_linears, packing_supported
 from engine.model.device import default_backend
 from engine.model.gguf_convert import gguf_source
+from engine.model.invariance import NotInvariantError
 from engine.model.llama import LlamaForCausalLM
 from engine.model.native_kernels import load as load_kernels
 from engine.model.quant_linear import quantize_from_gguf
@@ -139,7 +140,20 @@ def load_model(
         tied = model.embed_tokens.weight if model.lm_head is None and model.packed_lm_head is None else None
         head = pack_linears(model, tied_head=tied, probe=batch_invariant)
         model.packed_lm_head = model.packed_lm_head or head
+    elif pack and batch_invariant and device.type == "cpu" and _dense_linears(model):
+        # Plain torch linears round a row by what shares its product: never silently (DESIGN.md).
+        raise NotInvariantError(
+            f"dtype {str(dtype).removeprefix('torch.')}: this CPU and torch build run its dense linears only "
+            "as plain torch matmuls, whose rows round by the batch they share, so Brine cannot promise the "
+            "same answer alone or batched; use --dtype float32 (or auto), or --no-batch-invariant"
+        )
     return model
+
+
+def _dense_linears(model: LlamaForCausalLM) -> bool:
+    """Whether any linear (or a tied head without its own copy) still runs as a plain torch matmul."""
+    tied_plain = model.lm_head is None and model.packed_lm_head is None
+    return tied_plain or any(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
 def quantizable_gguf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Path | None:

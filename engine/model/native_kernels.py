@@ -59,12 +59,14 @@ STACK_ABI = 1  # what brine_decoder_stack_abi() must return (bumped with native_
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Explicit lower targets: the -march that replaces "native", and the /proc/cpuinfo flags a CPU needs to run it.
-# x86-64-v4 is AVX512F/BW/CD/DQ/VL without BF16 (Skylake-X and later), v3 is AVX2/FMA/F16C (Haswell and later);
-# the portable build is the baseline target, where the sources use no intrinsics at all.
-TIERS: dict[str, tuple[str | None, frozenset[str]]] = {
-    "avx512": ("-march=x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
-    "avx2": ("-march=x86-64-v3", frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),
-    "portable": ("-march=x86-64" if _X86 else None, frozenset()),
+# x86-64-v4 is AVX512F/BW/CD/DQ/VL without BF16 (Skylake-X and later), v3 is AVX2/FMA/F16C (Haswell and later).
+# The portable build's sources use no intrinsics at all (simd.h's loops): on x86 it is built for x86-64-v2 with
+# fused multiply-add, as the ARM64 CPUs it stands for have it (std::fma is then an instruction, not a call into
+# libm, which would make the test runs slow, not different).
+TIERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512": (("-march=x86-64-v4",), frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    "avx2": (("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),
+    "portable": (("-march=x86-64-v2", "-mfma") if _X86 else (), frozenset({"fma", "sse4_2"} if _X86 else ())),
 }
 
 
@@ -104,8 +106,7 @@ def tier_flags(tier: str | None) -> tuple[str, ...]:
     """The compiler flags for `tier` (None: this CPU's own, -march=native)."""
     if tier is None:
         return FLAGS
-    march = TIERS[tier][0]
-    return tuple(f for f in FLAGS if f != "-march=native") + ((march,) if march else ())
+    return tuple(f for f in FLAGS if f != "-march=native") + TIERS[tier][0]
 
 
 def runnable_tiers() -> list[str]:
@@ -207,6 +208,26 @@ def _bind(path: Path) -> Kernels:
         lib.brine_kernel_tier.restype = ctypes.c_char_p
         tier = lib.brine_kernel_tier().decode()
     return Kernels(path, fn, quant, elementwise, stack, tier)
+
+
+_TIER_WORDS = {
+    "avx512-bf16": "avx512-bf16",
+    "avx512": "avx512 (no bf16)",
+    "avx2": "avx2+fma",
+    "portable": "portable (no intrinsics)",
+}
+
+
+def describe() -> str:
+    """The kernels that run, for the startup log: 'avx512 (no bf16)', 'avx2+fma (BRINE_CPU_TIER)', or
+    'none (why)'."""
+    kernels, why = load()
+    if kernels is None:
+        return f"none ({why})"
+    words = _TIER_WORDS.get(kernels.tier, kernels.tier)
+    return (
+        f"{words} (BRINE_CPU_TIER)" if os.environ.get("BRINE_CPU_TIER", "auto") not in ("", "auto") else words
+    )
 
 
 @functools.cache

@@ -1,0 +1,206 @@
+"""Brine's kernels on every CPU tier this machine can run, not only its own (native_kernels.TIERS).
+
+Each lower tier (AVX512 without BF16, AVX2 + FMA, the portable no-intrinsics build) is built for its explicit
+target and checked as the native build is: every GGUF type the quantized linear runs, from a small GGUF file
+written with the `gguf` package, against gguf's own dequantization and a float64 product; a row's bits alone,
+batched, shifted and on one thread; the elementwise steps and the attention. The tiers' float32 arithmetic is
+the same lane by lane (csrc/simd.h), so their results must also be bit-identical to each other; only the
+AVX512-BF16 build's bfloat16 products (vdpbf16ps) may differ. Last, the default model's invariance workload
+runs on each tier's kernels, in both dtypes. So an EPYC, an Ice Lake and an AMX Xeon all test the AVX2 and
+portable paths, and every failure names the tier and the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kernel_helpers import kernels_or_skip
+
+from engine.model import native_kernels
+from engine.model.invariance import isa_summary
+from engine.model.quant_linear import _GGUF_BLOCK, TYPE_NAMES, QuantLinear
+
+LOWER = list(native_kernels.TIERS)
+BLOCK_QUANTS = {2, 3, 6, 7, 8}  # the 32-weight types gguf-py can quantize; the K-quants get random blocks
+
+
+def _tier(name: str) -> native_kernels.Kernels:
+    if name not in native_kernels.runnable_tiers():
+        pytest.skip(f"this CPU cannot run the {name} tier ({isa_summary()})")
+    kernels, why = native_kernels.load(name)
+    if kernels is None:
+        pytest.skip(f"the {name} kernels do not build here: {why}")
+    assert kernels.tier == name or (name == "portable" and kernels.tier == "portable"), kernels.tier
+    return kernels
+
+
+@pytest.fixture(scope="module", params=LOWER)
+def tier(request) -> native_kernels.Kernels:
+    return _tier(request.param)
+
+
+def _gguf_weights(tmp_path, ggml_type: int, out_f: int, in_f: int, seed: int):
+    """(the tensor's raw rows as Brine reads them from a GGUF file, gguf-py's dequantization of them)."""
+    import gguf
+    from gguf import quants
+
+    from engine.model.gguf_tensors import read_tensors
+
+    rng = np.random.default_rng(seed)
+    if ggml_type in BLOCK_QUANTS:
+        w = rng.standard_normal((out_f, in_f)).astype(np.float32) * in_f**-0.5
+        raw = quants.quantize(w, ggml_type)
+    else:  # any bytes are a K-quant block, once its float16 scales are finite and small
+        per, nbytes = _GGUF_BLOCK[ggml_type]
+        raw = rng.integers(0, 256, (out_f, in_f // per, nbytes), dtype=np.uint8)
+        scales = [slice(0, 2), slice(2, 4)] if ggml_type != 14 else [slice(208, 210)]
+        for at in scales:
+            d = np.abs(rng.standard_normal((out_f, in_f // per))) * 2e-3 + 1e-4
+            raw[..., at] = d.astype(np.float16).view(np.uint8).reshape(out_f, in_f // per, 2)
+        raw = raw.reshape(out_f, -1)
+    path = tmp_path / f"{TYPE_NAMES[ggml_type]}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", raw, raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = read_tensors(path)["w"]
+    assert t.tensor_type == ggml_type and t.shape == (in_f, out_f)
+    stored = np.asarray(t.data).reshape(out_f, -1)
+    dense = quants.dequantize(stored, ggml_type).astype(np.float64)
+    return stored, torch.from_numpy(dense)
+
+
+@pytest.mark.parametrize("ggml_type", list(TYPE_NAMES), ids=TYPE_NAMES.get)
+def test_every_gguf_type_matches_gguf_dequantization_and_keeps_a_rows_bits(tier, tmp_path, ggml_type):
+    out_f, in_f = 40, 512  # 40: a last, partial tile; 512: two K-quant super-blocks, sixteen 32-blocks
+    raw, dense = _gguf_weights(tmp_path, ggml_type, out_f, in_f, seed=ggml_type)
+    bias = torch.randn(out_f)
+    layer = QuantLinear(tier, ggml_type, raw, in_f, bias)
+    native = QuantLinear(kernels_or_skip("quant_linear"), ggml_type, raw, in_f, bias)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(57, in_f).to(dtype)  # 57: past the 48 rows read straight from the records
+        got = layer(x)
+        ref = x.double() @ dense.T + bias.double()
+        what = f"{TYPE_NAMES[ggml_type]} {dtype} on {tier.tier} ({isa_summary()})"
+        if dtype == torch.float32:
+            torch.testing.assert_close(
+                got.double(), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item(), msg=what
+            )
+        else:  # the exact product rounded once to bfloat16: at most one bfloat16 step away
+            step = ref.abs().clamp_min(2.0**-100) * 2.0**-7
+            assert ((got.double() - ref).abs() <= step).all(), what
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(0, 57, 4)])
+        assert torch.equal(alone, got[0:57:4]), what
+        assert torch.equal(layer(x[5:30]), got[5:30]), what
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x), got), what
+        finally:
+            torch.set_num_threads(threads)
+        if dtype == torch.float32 or "bf16" not in (_native_tier() or ""):
+            assert torch.equal(native(x), got), f"{what}: differs from this CPU's own build"
+
+
+def _native_tier() -> str | None:
+    kernels, _ = native_kernels.load(None)
+    return None if kernels is None else kernels.tier
+
+
+def test_the_lower_tiers_give_each_other_the_same_bits():
+    """The AVX512, AVX2 and portable builds run the same lane arithmetic: bit-identical outputs, bfloat16
+    activations included (they are widened to float32 on these tiers)."""
+    from gguf import quants
+
+    tiers = [_tier(name) for name in native_kernels.runnable_tiers()]
+    w = np.random.default_rng(9).standard_normal((24, 96)).astype(np.float32)
+    x = torch.randn(13, 96)
+    for ggml_type in (3, 8):
+        raw = quants.quantize(w, ggml_type)
+        for dtype in (torch.float32, torch.bfloat16):
+            outs = [QuantLinear(k, ggml_type, raw, 96)(x.to(dtype)) for k in tiers]
+            for k, out in zip(tiers, outs, strict=True):
+                assert torch.equal(out, outs[-1]), f"{k.tier} vs {tiers[-1].tier}, {dtype}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_elementwise_steps_have_the_native_builds_bits(tier, dtype, monkeypatch):
+    """Every tier's add+RMSNorm, SiLU x up and RoPE + cache write: the bits of this CPU's own build (the
+    AVX512 code where it has AVX512; the scalar code elsewhere does its arithmetic lane by lane)."""
+    from engine.model import fused_ops
+    from engine.model.llama import RMSNorm, silu
+
+    norm = RMSNorm(200, 1e-5)
+    norm.weight.data = torch.randn(200)
+    norm = norm.to(dtype)
+    h, delta = (torch.randn(9, 200) * 3).to(dtype), torch.randn(9, 200).to(dtype)
+    gate_up = (torch.randn(9, 2 * 88) * 4).to(dtype)
+    qkv = torch.randn(9, (6 + 2 * 2) * 32).to(dtype)
+    cos, sin = torch.rand(9, 1, 16).to(dtype), torch.rand(9, 1, 16).to(dtype)
+    slots = torch.tensor([3, 1, 4, 15, 9, 2, 6, 5, 8])
+
+    def run():
+        k_cache, v_cache = torch.zeros(2, 8, 2, 32, dtype=dtype), torch.zeros(2, 8, 2, 32, dtype=dtype)
+        q = fused_ops.rope_and_write(qkv, (cos, sin), slots, k_cache, v_cache, 6)
+        assert q is not None
+        return (
+            *fused_ops.add_rms_norm(h, delta, norm),
+            fused_ops.silu_mul(gate_up, silu),
+            q,
+            k_cache,
+            v_cache,
+        )
+
+    native = run()
+    monkeypatch.setattr(fused_ops, "load", lambda: (tier, ""))
+    for name, a, b in zip(("sum", "norm", "silu", "q", "k", "v"), run(), native, strict=True):
+        assert torch.equal(a, b), f"{name} on {tier.tier} ({isa_summary()})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_attention_matches_a_float64_reference_and_keeps_a_rows_bits(tier, dtype):
+    from test_native_attention import TOL, Paged, _run
+
+    from engine.model.native_attention import NativeBackend
+
+    backend = NativeBackend(tier)
+    c = Paged((6, 2), 64, 16, dtype, seed=3)
+    reqs = [(n, ctx, c.table(ctx)) for n, ctx in ((40, 40), (9, 120), (1, 1), (1, 77))]
+    q = torch.randn(sum(n for n, _, _ in reqs), c.h, c.d, generator=c.g).to(dtype)
+    got = _run(backend, c, q, reqs, None)
+    err = (got.double() - c.reference(q, reqs, None)).abs().max().item()
+    assert err <= TOL[dtype], f"max error {err} on {tier.tier} ({isa_summary()})"
+    alone = _run(backend, c, q[40:49], reqs[1:2], None)
+    assert torch.equal(alone, got[40:49]), f"{tier.tier} ({isa_summary()})"
+    if dtype == torch.float32 or "bf16" not in (_native_tier() or ""):
+        native = NativeBackend(kernels_or_skip())
+        assert torch.equal(_run(native, c, q, reqs, None), got), f"{tier.tier} vs this CPU's own build"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_default_model_answers_as_if_alone_on_every_tier(tier, dtype, monkeypatch):
+    """The invariance property test's fixed workload (chunking, preemption, a shared prefix, seeded and
+    greedy rows) on the tier's kernels: the default model's linears, elementwise steps, attention and the
+    one-call decoder stack all run there, as on a CPU of that tier."""
+    from test_invariance_property import Reference, test_a_pool_that_forces_preemption_changes_nothing
+
+    from engine.model import device
+
+    monkeypatch.setenv("BRINE_CPU_TIER", tier.tier)
+    for cached in (native_kernels.load, device.cpu_has_native_bf16):
+        cached.cache_clear()
+    ref = Reference()
+    try:
+        test_a_pool_that_forces_preemption_changes_nothing(dtype, ref)
+        assert native_kernels.load()[0] is not None and native_kernels.load()[0].tier == tier.tier
+    finally:
+        for eng in ref.engines.values():
+            assert eng.num_used_blocks() == 0
+            eng.shutdown()
+        monkeypatch.delenv("BRINE_CPU_TIER")
+        for cached in (native_kernels.load, device.cpu_has_native_bf16):
+            cached.cache_clear()
