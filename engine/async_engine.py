@@ -316,6 +316,7 @@ class AsyncEngine:
             self._inbox.put(_Stop())
             self._thread.join(timeout=30)
         self._fail_all("the engine was shut down")
+        self._core.close()  # the KV tiers' last writes and the disk index
         if self._compile_pool is not None:
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
         if self._grammars is not None:

@@ -41,6 +41,12 @@ class EngineConfig:
     )
     kv_events_endpoint: str | None = None  # tcp://HOST:PORT: publish KV events there (replay at PORT + 1)
     threads: int | None = None  # torch's intra-op threads (engine.threads); None: torch's default
+    # KV tiers behind the pool (engine.kv_tiers; EngineCore reads them): host RAM (bytes), a disk dir bounded
+    # by kv_disk_size bytes, and the file holding the disk tier's secret (default: generated into the dir).
+    kv_host_memory: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: int | None = None
+    kv_disk_key_file: str | None = None
     # Structured outputs (engine.structured_output, engine.grammar_sandbox): compiles run in this many worker
     # processes at once, each at most this long (seconds); compiled grammars are kept up to this many bytes;
     # a grammar whose mask costs more CPU per token than this is refused, or its sequence fails.

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
 from engine.errors import PromptTokenError
@@ -29,6 +29,9 @@ from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner
 from kv_cache.stats import KVCacheEvent
 from metrics.stats import IterationStats, SchedulerStats
+
+if TYPE_CHECKING:
+    from engine.kv_tiers import KVTiers
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +81,22 @@ class EngineCore:
             v for v in (getattr(runner, "vocab_size", None), getattr(tokenizer, "vocab_size", None)) if v
         ]
         self.vocab_size: int | None = min(sizes) if sizes else None
+        # KV tiers behind the pool (--kv-host-memory, --kv-disk-dir): engine.kv_tiers, which imports torch.
+        self.tiers: KVTiers | None = None
+        if enable_prefix_caching and (config.kv_host_memory or config.kv_disk_dir):
+            from engine.kv_tiers import build_tiers
+
+            self.tiers = build_tiers(config, runner)
         self.kv = KVCacheManager(
             runner.num_blocks,
             runner.block_size,
             enable_caching=enable_prefix_caching,
             hash_algo=config.prefix_caching_hash_algo,
             enable_events=kv_event_sink is not None,
+            none_hash=self.tiers.none_hash if self.tiers is not None else None,
         )
+        if self.tiers is not None:
+            self.kv.attach_tiers(self.tiers)
         self.kv_event_sink = kv_event_sink
         self.scheduler = Scheduler(self.kv, config, eos_token_ids=tokenizer.eos_token_ids)
         self.max_model_len = self.scheduler.max_model_len
@@ -163,8 +175,12 @@ class EngineCore:
         (blocks in use then lose their hashes and keep serving). A reset is recorded to the stat loggers at
         once: the engine may stay idle for long (no step, no record), and `/metrics` would show the old cache
         until the next request."""
+        if self.tiers is not None:
+            self._drain_tier_writes()
         if not self.kv.reset_prefix_cache(force):
             return False
+        if self.tiers is not None:
+            self.tiers.clear()  # the tiers forget every block too: a reset reaches the disk
         self._publish_events()
         self._record_stats(IterationStats(), prefix_cache_reset=True)
         return True
@@ -173,21 +189,62 @@ class EngineCore:
         """Forgets `owner`'s cached private blocks (a tenant's reset, allowed while requests run); returns
         how many. Recorded to the stat loggers at once, like a reset (the cached-blocks gauge moves)."""
         n = self.kv.forget(owner)
+        if self.tiers is not None:
+            self.tiers.forget(owner)  # and its blocks in the tiers (files on disk deleted)
         self._publish_events()
         self._record_stats(IterationStats())
         return n
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_unreported_finishes()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_unreported_finishes()
+            or self.kv.tier_busy
+        )
+
+    # ---- KV tiers --------------------------------------------------------------------------------------
+
+    def _pump_tiers(self) -> None:
+        """Take what the tier threads finished: unpin copied-out blocks, requeue requests whose loads ended."""
+        assert self.tiers is not None
+        loaded, unpin = self.tiers.poll()
+        if unpin:
+            self.kv.unpin(unpin)
+        if loaded:
+            self.scheduler.loads_done(self.kv.finish_loads(loaded))
+
+    def _drain_tier_writes(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) until no block is pinned for a write, so that a reset finds them free."""
+        assert self.tiers is not None
+        deadline = time.monotonic() + timeout
+        self.tiers.submit_writes(self.kv.take_writes())
+        while self.kv.tiers is not None and self.kv.tiers.pins and time.monotonic() < deadline:
+            self.tiers.wait(0.01)
+            self._pump_tiers()
+
+    def close(self) -> None:
+        """Finish the tiers' queued writes and save the disk index (a restart finds every block)."""
+        if self.tiers is not None:
+            self.tiers.submit_writes(self.kv.take_writes())
+            self.tiers.close()
 
     def step(self) -> list[RequestOutput]:
+        if self.tiers is not None:
+            self._pump_tiers()
         sched_out = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.submit_loads(self.kv.take_loads())
         now = time.monotonic()
         for sr in sched_out.scheduled:
             req = self.scheduler.requests[sr.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         result = self.runner.execute(sched_out) if sched_out.scheduled else RunnerOutput({})
+        if self.tiers is not None:
+            # The step computed the blocks its pass cached: copy them out (off this thread).
+            self.tiers.submit_writes(self.kv.take_writes(result.errors))
+            if not sched_out.scheduled:
+                self.tiers.wait(0.002)  # only loads or writes pending: don't spin
         updates = self.scheduler.update(sched_out, result)
         iteration = IterationStats()
         for sr in sched_out.scheduled:  # prompt tokens computed (hits and recomputed outputs excluded)
@@ -229,6 +286,7 @@ class EngineCore:
             prefix_cache_preempted_queries=pcs.preempted_queries,
             prefix_cache_preempted_hits=pcs.preempted_hits,
             prefix_cache_public_hits=pcs.public_hits,
+            prefix_cache_tier_hits=pcs.tier_hits,
             prefix_cache_requests=pcs.requests,
             num_preemptions=self.scheduler.take_num_preemptions(),
             num_evictions=pcs.evictions,

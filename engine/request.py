@@ -30,6 +30,7 @@ class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again after its blocks were taken; will be recomputed
+    LOADING = "loading"  # its cached prefix is being loaded from a KV tier (engine.kv_tiers)
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

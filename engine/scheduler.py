@@ -82,6 +82,9 @@ class Scheduler:
         self.kv_capacity = kv.num_blocks * kv.block_size
         self.waiting = FairQueue()
         self.running: list[Request] = []  # admission order: the last one is the newest
+        # Requests whose prefix hit is being loaded from a KV tier (kv_cache.tier_bridge): out of both queues
+        # until loads_done puts them back at the front of theirs.
+        self.loading: dict[str, Request] = {}
         self._num_running: Counter[str] = Counter()  # owner -> its running sequences
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since the last take_num_preemptions()
@@ -166,6 +169,13 @@ class Scheduler:
                 break  # every admission needs a new block: skip a lookup that cannot succeed
             req = self._next_to_admit(seq_share)
             hit = self.kv.get_computed_blocks(req)
+            if hit.load:  # a tier holds more of its prefix: load it (only this request waits for it)
+                if not self.kv.start_load(req, hit):
+                    break
+                self.waiting.pop(req)
+                req.status = RequestStatus.LOADING
+                self.loading[req.request_id] = req
+                continue
             remaining = req.num_tokens - hit.num_tokens
             num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
             if self.kv.allocate_slots(req, num_new, hit) is None:
@@ -340,6 +350,9 @@ class Scheduler:
                     # (a no-op without drafts).
                     self.kv.allocate_slots(req, 0)
                 self.kv.free(req)
+            elif req.status is RequestStatus.LOADING:  # its blocks go when the load is over
+                del self.loading[request_id]
+                self.kv.free(req)
             else:  # waiting or preempted: holds no blocks
                 self.waiting.remove(req)
             req.status = status
@@ -355,6 +368,14 @@ class Scheduler:
         writer, the scheduler."""
         if not self.finish_requests([req.request_id], status, error):
             req.status, req.error = status, error
+
+    def loads_done(self, request_ids: Iterable[str]) -> None:
+        """Their tier loads are over (the blocks that arrived are cached): back to the front of the queue."""
+        for rid in request_ids:
+            req = self.loading.pop(rid, None)
+            if req is not None:
+                req.status = RequestStatus.WAITING
+                self.waiting.push_front(req)
 
     def _preempt(self, req: Request) -> None:
         """Frees a running request's blocks (the caller took it out of `running`) and requeues it."""
@@ -403,7 +424,7 @@ class Scheduler:
         one of running / waiting."""
         assert self._num_running == Counter(r.owner for r in self.running), "per-owner running counts drifted"
         assert len(self.running) <= self.max_num_seqs
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting] + list(self.loading)
         assert sorted(ids) == sorted(self.requests), "a request is lost or in two queues"
         assert len(self.waiting) == sum(1 for _ in self.waiting)
 

@@ -35,6 +35,8 @@ from kv_cache.block_pool import BlockPool
 from kv_cache.hashing import BlockHash, BlockHasher, get_hash_fn, init_none_hash
 from kv_cache.namespace import CacheNamespace, Owner, PublicPrefixes
 from kv_cache.stats import BlockStored, KVCacheEvent, PrefixCacheStats
+from kv_cache.tier_bridge import TierBridge
+from kv_cache.tiers import LoadPlan, TierBlock, TierLookup
 
 
 class CacheRequest(Protocol):
@@ -76,6 +78,9 @@ class ComputedBlocks:
     num_public_tokens: int = field(default=0, compare=False)
     # Reused part of the next block: allocate_slots gives the request a new block, copied from tail.block.
     tail: TailHit | None = None
+    # The tier ("host" | "disk") of each block after block_ids that a tier holds (kv_cache.tier_bridge): such a
+    # hit goes to start_load, not allocate_slots. num_tokens counts these blocks too.
+    load: list[str] = field(default_factory=list, compare=False)
 
 
 class KVCacheManager:
@@ -88,7 +93,9 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         enable_events: bool = False,
         public_prefixes: Iterable[Sequence[int]] = (),
+        none_hash: BlockHash | None = None,
     ) -> None:
+        """`none_hash`: block 0's parent hash (a disk tier's, derived from its persistent seed), else random."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -96,7 +103,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self.hash_fn = get_hash_fn(hash_algo)  # validates the name even when caching is off
-        self.none_hash: BlockHash = init_none_hash(self.hash_fn)
+        self.none_hash: BlockHash = none_hash if none_hash is not None else init_none_hash(self.hash_fn)
         self._events: list[KVCacheEvent] | None = [] if enable_events else None
         self.block_pool = BlockPool(num_blocks, self._events)
         self._req_blocks: dict[str, list[int]] = {}
@@ -105,6 +112,13 @@ class KVCacheManager:
         self._evictions_reported = 0
         self._copies: list[tuple[int, int]] = []  # (source, destination) for the step being planned
         self.public_prefixes = PublicPrefixes(public_prefixes)
+        self.tiers: TierBridge | None = None
+
+    def attach_tiers(self, tiers: TierLookup) -> None:
+        """Put tiers behind the pool: lookups that miss it may load from them (start_load), and every block
+        cached from now on is written to them (take_writes)."""
+        if self.enable_caching:
+            self.tiers = TierBridge(self.block_pool, tiers)
 
     def set_public_prefixes(self, prefixes: Iterable[Sequence[int]]) -> None:
         """Declare the public prefixes (token ids) for requests made from now on."""
@@ -146,6 +160,7 @@ class KVCacheManager:
             if b is None:
                 break
             ids.append(b)
+        load = self.tiers.find(hashes[len(ids) : max_blocks]) if self.tiers is not None else []
         hasher = request.hasher
         public = min(len(ids), hasher.num_public_blocks) if hasher is not None else 0
         bs = self.block_size
@@ -161,12 +176,15 @@ class KVCacheManager:
         if (
             hasher is not None
             and want > 0
+            and not load  # the next block is loaded whole
             and (not hasher.namespace.keys() or len(ids) >= hasher.num_public_blocks)
         ):
             key = hasher.tail_key(hashes, len(ids))
             block, n = self.block_pool.longest_tail(key, request.all_token_ids[start : start + want])
             if n:
                 tail = TailHit(block, n)
+        if load:
+            return ComputedBlocks(ids, start + len(load) * bs, request.num_tokens, public * bs, None, load)
         return ComputedBlocks(
             ids, start + (tail.num_tokens if tail else 0), request.num_tokens, public * bs, tail
         )
@@ -182,6 +200,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if computed is not None and computed.load:
+            raise ValueError("a hit that loads blocks from a tier goes to start_load, not allocate_slots")
         rid = request.request_id
         blocks = self._req_blocks.get(rid)
         hit = computed.block_ids if computed is not None else []
@@ -220,6 +240,8 @@ class KVCacheManager:
                 request.num_preemptions > 0,
                 computed.num_public_tokens,
             )
+            if self.tiers is not None:
+                self._stats.record_tiers(self.tiers.take_tier_hits(rid, len(hit), bs))
         if self.enable_caching:
             # Cache blocks as soon as they are full of known tokens (they are computed in this step), so that
             # a request scheduled later in the same step can already hit them.
@@ -248,6 +270,8 @@ class KVCacheManager:
         ]
         self.block_pool.cache(blocks[start:end], hashes[start:end], owners, tails)
         self._num_cached[rid] = end
+        if self.tiers is not None:
+            self.tiers.note_cached(request, blocks, start, end)
         if self._events is not None:
             parent = hashes[start - 1] if start else None
             tokens = request.all_token_ids[start * bs : end * bs]
@@ -263,6 +287,10 @@ class KVCacheManager:
         block first, so that a chain is evicted from its end and its shared prefix survives longest. A last
         block holding some computed tokens but not a whole block's is filed as a partial (tail lookups)."""
         rid = request.request_id
+        if self.tiers is not None:
+            if self.tiers.abandon(rid):
+                return  # the loader may be writing into its blocks: finish_loads frees them
+            self.tiers.drop(rid)
         self._num_cached.pop(rid, None)
         blocks = self._req_blocks.pop(rid, None)
         if not blocks:
@@ -280,6 +308,62 @@ class KVCacheManager:
         owner = hasher.namespace.owner if last >= hasher.num_public_blocks else None
         tokens = tuple(request.all_token_ids[computed - held : computed])
         pool.add_partial(b, hasher.tail_key(request.block_hashes, last), tokens, owner)
+
+    # ---- tiers (kv_cache.tier_bridge) ------------------------------------------------------------------
+
+    def start_load(self, request: CacheRequest, computed: ComputedBlocks) -> bool:
+        """Reserve blocks for a hit with tier blocks (computed.load) and queue their load (take_loads); the
+        request waits until finish_loads reports it. False, nothing changed, when the blocks are not free."""
+        if self.tiers is None or not computed.load:
+            raise ValueError("start_load needs tiers and a hit that loads from them")
+        rid = request.request_id
+        if self._req_blocks.get(rid) or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} loads blocks but already holds blocks or computed tokens")
+        table: list[int] = []
+        if not self.tiers.start_load(request, computed, table):
+            return False
+        self._req_blocks[rid] = table
+        return True
+
+    def take_loads(self) -> list[LoadPlan]:
+        """Loads started since the last call, for the engine's tier copier."""
+        return self.tiers.take_loads() if self.tiers is not None else []
+
+    def finish_loads(self, results: Iterable[tuple[str, int]]) -> list[str]:
+        """Loads are over: (request id, leading blocks that arrived). Those blocks are cached, every block of
+        the request is freed; returns the requests to put back in the queue (not the abandoned ones)."""
+        if self.tiers is None:
+            return []
+        back: list[str] = []
+        for rid, arrived in results:
+            request, plan = self.tiers.loading.pop(rid)
+            blocks = self._req_blocks[rid]
+            first = len(blocks) - len(plan.blocks)
+            if not plan.abandoned and arrived:
+                self._num_cached[rid] = first
+                self._cache_full_blocks(request, blocks, first + arrived)
+                self.tiers.loaded(rid, plan, arrived, first)
+            self._num_cached.pop(rid, None)
+            del self._req_blocks[rid]
+            self.block_pool.free(reversed(blocks))
+            if not plan.abandoned:
+                back.append(rid)
+        return back
+
+    def take_writes(self, failed: Iterable[str] = ()) -> list[TierBlock]:
+        """Blocks cached since the last call, pinned, to copy to the tiers now that their step ran (the
+        requests in `failed` did not compute theirs: unpinned instead)."""
+        return self.tiers.take_writes(failed) if self.tiers is not None else []
+
+    def unpin(self, ids: Iterable[int]) -> None:
+        """The tiers copied these blocks' KV out: drop the pins take_writes left on them."""
+        if self.tiers is not None:
+            self.tiers.unpin(ids)
+
+    @property
+    def tier_busy(self) -> bool:
+        """Loads running or blocks pinned for writes (the engine must keep polling its tiers)."""
+        return self.tiers is not None and self.tiers.busy
 
     def end_pass(self) -> list[tuple[int, int]]:
         """End of a scheduling pass: the (source, destination) block copies its tail hits need, which the step
@@ -331,7 +415,11 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless ref counts, the free queue, the hash map and block tables agree."""
-        self.block_pool.check_invariants(self._req_blocks.values())
+        held = list(self._req_blocks.values())
+        if self.tiers is not None:
+            held += self.tiers.held()
+            assert set(self.tiers.loading) <= set(self._req_blocks), "a loading request holds no blocks"
+        self.block_pool.check_invariants(held)
         assert set(self._num_cached) <= set(self._req_blocks), "cached-block counts for unknown requests"
         block_hash = self.block_pool.block_hash
         for rid, n in self._num_cached.items():

@@ -27,6 +27,8 @@ class PrefixCacheStats:
     # Of `hits`, tokens in blocks of a declared public prefix (shared by every namespace).
     public_hits: int = 0
     evictions: int = 0  # cached blocks whose hash was dropped because the block was reallocated
+    # Of `hits`, tokens loaded from a tier behind the pool ("host" | "disk"): the rest came from the pool.
+    tier_hits: dict[str, int] = field(default_factory=dict)
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool, num_public_hits: int = 0) -> None:
         if preempted:
@@ -38,6 +40,10 @@ class PrefixCacheStats:
             self.queries += num_tokens
             self.hits += num_hits
             self.public_hits += num_public_hits
+
+    def record_tiers(self, tier_hits: dict[str, int]) -> None:
+        for tier, n in tier_hits.items():
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + n
 
 
 @dataclass(slots=True)

@@ -53,6 +53,9 @@ def token_buckets(max_tokens: int = 131072) -> tuple[float, ...]:
         base *= 10
 
 
+KV_TIERS = ("pool", "host", "disk")  # where a prefix-cache hit's KV came from (engine.kv_tiers)
+
+
 class PrometheusStatLogger:
     """A `StatLogger` that keeps Prometheus metrics; `render()` serves them."""
 
@@ -113,6 +116,14 @@ class PrometheusStatLogger:
         self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
         self._success_family = success
 
+        tier_hits = Counter(
+            "brine_prefix_cache_tier_hits",
+            "Of the prefix-cache hits, tokens by the tier that served them: pool (the device KV pool), host "
+            "(--kv-host-memory) or disk (--kv-disk-dir); the tiers sum to brine_prefix_cache_hits_total.",
+            ["model_name", "tier"],
+            registry=reg,
+        )
+        self.prefix_cache_tier_hits = {t: tier_hits.labels(model_name, t) for t in KV_TIERS}
         # Gauges: the state after the latest step.
         self.num_running = gauge("brine_num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("brine_num_requests_waiting", "Requests waiting to be scheduled.")
@@ -206,6 +217,13 @@ class PrometheusStatLogger:
             self.prefix_cache_preempted_queries.inc(s.prefix_cache_preempted_queries)
             self.prefix_cache_preempted_hits.inc(s.prefix_cache_preempted_hits)
             self.prefix_cache_public_hits.inc(s.prefix_cache_public_hits)
+            from_tiers = 0
+            for tier, n in s.prefix_cache_tier_hits.items():
+                child = self.prefix_cache_tier_hits.get(tier)
+                if child is not None:
+                    child.inc(n)
+                    from_tiers += n
+            self.prefix_cache_tier_hits["pool"].inc(max(0, s.prefix_cache_hits - from_tiers))
             self.prefix_cache_evictions.inc(s.num_evictions)
             self.num_preemptions.inc(s.num_preemptions)
             self.prompt_tokens.inc(it.num_prompt_tokens)

@@ -46,6 +46,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -98,6 +105,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="exact number of KV blocks; overrides --kv-cache-memory",
+    )
+    s.add_argument(
+        "--kv-host-memory",
+        type=_memory,
+        default=None,
+        metavar="SIZE",
+        help="host RAM for a KV tier behind the pool, e.g. 8GiB: blocks evicted from the pool are loaded back "
+        "from it instead of recomputed (default: none)",
+    )
+    s.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="a KV tier on disk that survives restarts: blocks encrypted per cache namespace, file names keyed, "
+        "reused only by the same weights, dtype, block size, layout and kernels (default: none)",
+    )
+    s.add_argument(
+        "--kv-disk-size",
+        type=_memory,
+        default=10 * 2**30,
+        metavar="SIZE",
+        help="the most the KV disk tier keeps in --kv-disk-dir, least recently used first out (default: 10GiB)",
+    )
+    s.add_argument(
+        "--kv-disk-key-file",
+        default=None,
+        metavar="PATH",
+        help="the KV disk tier's secret (32+ random bytes, mode 0600), kept away from the dir so that a copy of the "
+        "dir cannot be read; default: generated into the dir",
     )
     s.add_argument(
         "--kv-events-endpoint",
@@ -227,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         metavar="N",
         help="prompts in one /v1/completions request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-requests-per-namespace",
+        type=_non_negative,
+        default=256,
+        metavar="N",
+        help="generation requests one namespace (tenant, gateway value or salt; all unsalted requests "
+        "together) may have running or queued at once; more is a 429 with Retry-After (default: "
+        "%(default)s; 0: no cap)",
     )
     limits.add_argument(
         "--max-seqs-per-request",

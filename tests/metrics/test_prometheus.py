@@ -147,7 +147,7 @@ def test_registries_are_separate_and_labels_carry_nothing_tenant_specific() -> N
     assert value(a, "brine_prefix_cache_queries_total") == 7
     assert value(b, "brine_prefix_cache_queries_total") == 0
     label_names = {name for (_, labels) in samples(a) for name, _ in labels}
-    assert label_names <= {"model_name", "finished_reason", "kind", "le"}
+    assert label_names <= {"model_name", "finished_reason", "kind", "le", "tier"}
     assert all(name.startswith("brine_") for (name, _) in samples(a))
 
 

@@ -16,6 +16,10 @@ HELP = {
     "brine_prefix_cache_public_hits": (
         "Of the prefix-cache hits, tokens in blocks of a declared public prefix (shared by every tenant)."
     ),
+    "brine_prefix_cache_tier_hits": (
+        "Of the prefix-cache hits, tokens by the tier that served them: pool (the device KV pool), host "
+        "(--kv-host-memory) or disk (--kv-disk-dir); the tiers sum to brine_prefix_cache_hits_total."
+    ),
     "brine_prefix_cache_preempted_queries": "Prompt tokens looked up again when a preempted request is rescheduled.",
     "brine_prefix_cache_preempted_hits": "Of the preempted lookups, tokens found in the prefix cache.",
     "brine_prefix_cache_evictions": "Cached KV blocks whose prefix hash was dropped to reuse the block.",
