@@ -14,6 +14,7 @@ sequence's `GrammarState` is never filled and advanced at once.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.outputs import ScheduledRequest
@@ -46,8 +49,15 @@ def constrained_rows(reqs: Sequence[ScheduledRequest]) -> list[tuple[int, Gramma
 
 
 def _fill(states: list[tuple[int, GrammarState]], bitmask: torch.Tensor) -> None:
+    """Fills each state's row. A fill that raises is its own request's fault (a broken matcher): that row
+    allows nothing, so it has no finite logit and the sampler fails that request alone (INVALID_TOKEN),
+    where the exception would have failed the step and killed the engine for everyone."""
     for j, (_, state) in enumerate(states):
-        state.fill_mask(bitmask, j)
+        try:
+            state.fill_mask(bitmask, j)
+        except Exception:
+            logger.exception("a grammar mask could not be filled; its request fails")
+            bitmask[j] = 0
 
 
 class MaskFiller:

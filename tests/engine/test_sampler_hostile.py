@@ -117,3 +117,21 @@ def test_inverse_cdf_never_answers_the_row_width():
     probs = torch.tensor([[0.2, 0.8, 0.0], [math.nan] * 3, [0.0] * 3])
     u = torch.tensor([[0.5], [0.5], [0.5]])
     assert inverse_cdf(probs, u).tolist() == [1, INVALID_TOKEN, INVALID_TOKEN]
+
+
+def test_a_grammar_whose_mask_cannot_be_filled_fails_its_row_alone():
+    """A matcher that raises is its own request's fault: its row gets INVALID_TOKEN, the constrained and free
+    rows beside it get the tokens they get alone."""
+
+    class Broken(OnlyEos):
+        def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+            raise RuntimeError("matcher state is corrupt")
+
+    logits = _rows(5)[:3]
+    reqs = [
+        _req(SamplingParams(temperature=0.0), "ok", OnlyEos()),
+        _req(SamplingParams(temperature=0.0), "broken", Broken()),
+        _req(SamplingParams(temperature=0.0), "free"),
+    ]
+    out = _sampler()(logits.clone(), reqs)
+    assert out.token_ids.tolist() == [EOS, INVALID_TOKEN, logits[2].argmax().item()]
