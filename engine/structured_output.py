@@ -211,11 +211,11 @@ class GrammarCompiler:
         self._check_size(spec, compiled.memory_size_bytes)
         if self.sandbox is None:
             check_mask_cost(spec, compiled, self.vocab_size, self.mask_budget_s)
-        self.compiles += 1
         if self.on_compile is not None:
             self.on_compile(seconds)
         grammar = CompiledGrammar(spec, compiled, self.mask_budget_s, compiled.memory_size_bytes)
         with self._lock:
+            self.compiles += 1
             key = (namespace, spec)
             old = self._cache.pop(key, None)
             if old is not None:
