@@ -6,7 +6,8 @@ logger. The core knows nothing of threads or asyncio (`AsyncEngine` drives it fr
 drive it directly with a fake runner.
 
 Failure rules: an exception while handling one request (adding it, its tokens, its text) fails that request
-only, with an error output; an exception from the runner propagates: the caller treats it as fatal.
+only, with an error output, and so does a runner failure that one request is to blame for
+(`engine.attribution`); any other exception from the runner propagates: the caller treats it as fatal.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from engine.attribution import execute_attributing
 from engine.config import EngineConfig
 from engine.errors import PromptTokenError
 from engine.output_processor import OutputProcessor, error_output
@@ -239,7 +241,7 @@ class EngineCore:
             req = self.scheduler.requests[sr.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        result = self.runner.execute(sched_out) if sched_out.scheduled else RunnerOutput({})
+        result = execute_attributing(self.runner, sched_out) if sched_out.scheduled else RunnerOutput({})
         if self.tiers is not None:
             # The step computed the blocks its pass cached: copy them out (off this thread).
             self.tiers.submit_writes(self.kv.take_writes(result.errors))
