@@ -21,6 +21,7 @@ from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
 from server.engine_client import EngineClient, TokenizerLike
 from server.errors import APIError, bad_request, engine_not_running, install_error_handlers
 from server.generation import ClientDisconnected
+from server.inflight import InflightLimiter
 from server.limits import RequestLimits
 from server.messages_routes import install_messages_routes
 from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
@@ -109,6 +110,7 @@ def create_app(
     app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), tenants=tenancy.tenants)
     keyless = not any(api_keys) and tenancy.tenants is None  # every caller is anonymous
     app.state.limits = limits or RequestLimits()
+    app.state.inflight = InflightLimiter(app.state.limits.max_requests_per_namespace)
     created = now()
 
     @app.exception_handler(ClientDisconnected)

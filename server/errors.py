@@ -40,6 +40,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -47,12 +48,13 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. a 429's Retry-After
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(

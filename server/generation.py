@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -34,6 +34,9 @@ from server.errors import (
     engine_not_running,
     error_body,
 )
+
+if TYPE_CHECKING:
+    from server.inflight import InflightLimiter
 
 logger = logging.getLogger("brine.server")
 T = TypeVar("T")
@@ -89,14 +92,20 @@ class OutputStream:
             engine.generate(p, params, request_id=rid, namespace=namespace, owner=request_id)
             for p, rid in zip(prompts, self.request_ids, strict=True)
         ]
+        self._namespace = namespace
+        self._release: Callable[[], None] | None = None  # the in-flight slot taken by start()
         self._finished = [False] * len(prompts)
         self._first: list[RequestOutput] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._closed = False
 
-    async def start(self) -> list[RequestOutput]:
+    async def start(self, limiter: InflightLimiter | None = None) -> list[RequestOutput]:
         """Wait for every prompt's first output, so that requests the engine refuses (context length, too
-        big for the KV cache) fail before any HTTP response starts. Prompts are submitted concurrently."""
+        big for the KV cache) fail before any HTTP response starts. Prompts are submitted concurrently.
+        `limiter`: first take one of the namespace's in-flight slots (a 429 when it has none left); close()
+        gives it back."""
+        if limiter is not None:
+            self._release = limiter.acquire(self._namespace, self)
         self._tasks = [asyncio.ensure_future(anext(gen)) for gen in self._gens]
         try:
             self._first = list(await asyncio.gather(*self._tasks))
@@ -147,6 +156,13 @@ class OutputStream:
         if self._closed:
             return
         self._closed = True
+        try:
+            await self._stop()
+        finally:
+            if self._release is not None:
+                self._release()
+
+    async def _stop(self) -> None:
         with anyio.CancelScope(shield=True):
             for task in self._tasks:
                 task.cancel()

@@ -27,6 +27,8 @@ class RequestLimits:
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024
+    # Generation requests one namespace may have running or queued at once (server.inflight); 0: no cap.
+    max_requests_per_namespace: int = 256
     max_prompts: int = 128  # prompts in one /v1/completions request
     max_seqs_per_request: int = 256  # prompts x n: the sequences one request makes the engine run
     max_detokenize_tokens: int = 32768  # token ids in one /detokenize body (4x the default model's context)

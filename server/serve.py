@@ -65,6 +65,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
         max_stop_string_chars=args.max_stop_string_chars,
         max_stop_token_ids=args.max_stop_token_ids,
         max_logit_bias=args.max_logit_bias,
+        max_requests_per_namespace=args.max_requests_per_namespace,
         max_prompts=args.max_prompts_per_request,
         max_seqs_per_request=args.max_seqs_per_request,
         max_detokenize_tokens=args.max_detokenize_tokens,

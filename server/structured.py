@@ -125,7 +125,7 @@ def structured_spec(
 async def start_constrained(request: Request, stream: OutputStream, param: str | None) -> None:
     """Starts `stream`; a grammar that does not compile is a 400 naming the field that carried it."""
     try:
-        await unless_disconnected(request, stream.start())
+        await unless_disconnected(request, stream.start(getattr(request.app.state, "inflight", None)))
     except APIError as exc:
         if param is not None and exc.param == "response_format":
             exc.param = param
