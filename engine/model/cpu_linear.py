@@ -32,7 +32,7 @@ import functools
 import torch
 from torch import nn
 
-from engine.model.invariance import PROBE_ROWS, pad_rows, row_multiple
+from engine.model.invariance import PROBE_ROWS, pad_rows, row_multiple, sensitize
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 # The output head is probed on fewer rows (it is 49152 x 576 for the default model): it runs one row per
@@ -100,9 +100,10 @@ def probe_row_multiple(in_features: int, out_features: int, dtype: torch.dtype, 
     in the dtype the layer computes in (compute_dtype)."""
     dtype = compute_dtype(dtype)
     g = torch.Generator().manual_seed(0)
-    weight = (torch.randn(out_features, in_features, generator=g) * in_features**-0.5).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    rows = torch.randn(max_rows + 8, in_features, generator=g).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=g) * in_features**-0.5
+    weight, rows = sensitize(weight, torch.randn(max_rows + 8, in_features, generator=g))
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), 1)
+    rows = rows.to(dtype)
     return row_multiple(
         lambda x: _linear(x.contiguous(), packed, None),
         rows,

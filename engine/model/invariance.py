@@ -15,7 +15,8 @@ the batch, and CPU GEMM libraries pick kernels by M. Measured on this project's 
 
 Rather than trusting a table, each kernel is probed once per process on the shapes the model uses: every row
 count from 1 to 40 and a spread of larger ones, each compared row by row with one large product, at two
-offsets. The probe yields the smallest row multiple (1, 2, 4, 8 or 16) whose padded products agree
+offsets. A linear's probe inputs carry cancelling pairs (`sensitize`), so that another summation order shows
+even through bfloat16 rounding, which hides it for plain random inputs. The probe yields the smallest row multiple (1, 2, 4, 8 or 16) whose padded products agree
 everywhere; callers pad their rows up to it (pad rows never touch real ones: a row of a matmul reads only
 itself). Where no multiple agrees, the largest is used and a warning says invariance is not guaranteed here.
 """
@@ -72,6 +73,31 @@ def row_multiple(
         isa_summary(),
     )
     return ROW_MULTIPLES[-1]
+
+
+# A probe's cancelling pairs: a large input at two positions of K whose weight columns are equal, +B and -B.
+# Exact arithmetic cancels them; a float32 sum carries B while it holds one of them and drops the low bits of
+# whatever it adds meanwhile, so the result depends on where the reduction's blocks and partial sums fall.
+SENSITIVE_B = 2.0**20
+
+
+def sensitize(weight: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, rows) for a linear's probe (float32 in, before any cast), made so that a kernel that sums K in
+    another order for some row count shows it even in bfloat16 outputs. Random products round to bfloat16
+    the same way whatever their float32 order in all but a few rows (an Ice Lake's emulated bfloat16 kernel:
+    one row of 700 differed, and the plain probe saw none); with B's absorbed bits, most outputs differ.
+    Two rows in three get a cancelling pair, the pairs at K's ends or at its middle; the third keeps plain
+    random inputs. `weight` [out, in] and `rows` [M, in] are copied, not changed."""
+    weight, rows = weight.clone(), rows.clone()
+    k = weight.shape[1]
+    pairs = [(0, k - 1), (k // 2 - 1, k // 2)]
+    for a, b in pairs:
+        weight[:, b] = weight[:, a]
+    for r in range(rows.shape[0]):
+        if r % 3 < 2:
+            a, b = pairs[r % 3]
+            rows[r, a], rows[r, b] = SENSITIVE_B, -SENSITIVE_B
+    return weight, rows
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:

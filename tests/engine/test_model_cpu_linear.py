@@ -97,6 +97,29 @@ def test_the_probe_finds_the_row_multiple_a_kernel_needs():
     assert row_multiple(pads_to_four, rows, "needs 4") == 4
 
 
+def test_the_probe_sees_a_summation_order_through_bfloat16_rounding():
+    """A bfloat16 kernel whose one-row products sum K in another float32 order (what an Ice Lake's emulated
+    bfloat16 linear does): with cancelling pairs in the probe's inputs, the one-row products differ, and
+    the probe asks for padding to 2."""
+    g = torch.Generator().manual_seed(0)
+    weight, rows = invariance.sensitize(
+        torch.randn(64, 256, generator=g) / 16, torch.randn(80, 256, generator=g)
+    )
+    w = weight.to(torch.bfloat16).float()
+    perm = torch.randperm(256, generator=g)
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:  # one row: a float32 sum in another order; else ~exact
+        if x.shape[0] == 1:
+            products = x.float()[0, perm] * w[:, perm]  # [out, in], exact; summed in float32, in order
+            total = torch.zeros(w.shape[0])
+            for i in range(products.shape[1]):
+                total += products[:, i]
+            return total.to(torch.bfloat16)[None]
+        return (x.double() @ w.double().T).to(torch.bfloat16)
+
+    assert row_multiple(kernel, rows.to(torch.bfloat16), "reorders one row") == 2
+
+
 def test_the_probe_warns_where_no_padding_helps(caplog):
     with caplog.at_level(logging.WARNING, logger=invariance.__name__):
         got = row_multiple(lambda x: x * x.shape[0], torch.randn(320, 8), "depends on M")
