@@ -53,6 +53,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -263,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         metavar="N",
         help="prompts in one /v1/completions request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-requests-per-namespace",
+        type=_non_negative,
+        default=256,
+        metavar="N",
+        help="generation requests one namespace (tenant, gateway value or salt; all unsalted requests "
+        "together) may have running or queued at once; more is a 429 with Retry-After (default: "
+        "%(default)s; 0: no cap)",
     )
     limits.add_argument(
         "--max-requests-per-namespace",
