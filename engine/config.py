@@ -2,7 +2,8 @@
 or by a test or benchmark) and passed whole to the components, each of which reads the fields it needs:
 
 - `ModelRunner`: model, device, dtype, block_size, kv_cache_memory, num_blocks, max_num_batched_tokens,
-  max_num_seqs (to size attention buffers), batch_invariant, quantization, enforce_eager;
+  max_num_seqs (to size attention buffers), batch_invariant, quantization, enforce_eager, and the LoRA
+  fields (enable_lora, lora_modules, max_loras, max_lora_rank: engine.lora.manager.LoRAManager.from_config);
 - `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, stat_loggers;
 - `Scheduler`: max_num_seqs, max_num_batched_tokens, max_model_len, speculative_config;
 - `AsyncEngine.from_config`: served_model_name, kv_events_endpoint, threads, and the grammar engine's
@@ -45,8 +46,10 @@ class EngineConfig:
     # by kv_disk_size bytes, and the file holding the disk tier's secret (default: generated into the dir).
     kv_host_memory: int | None = None
     kv_disk_dir: str | None = None
-    kv_disk_size: int | None = None
+    kv_disk_size: int = 10 * 2**30
     kv_disk_key_file: str | None = None
+    # Retention requests (kv_cache.retention) may hold at most this fraction of the KV pool.
+    max_retained_fraction: float = 0.5
     # Structured outputs (engine.structured_output, engine.grammar_sandbox): compiles run in this many worker
     # processes at once, each at most this long (seconds); compiled grammars are kept up to this many bytes;
     # a grammar whose mask costs more CPU per token than this is refused, or its sequence fails.
@@ -56,4 +59,10 @@ class EngineConfig:
     grammar_mask_budget_ms: float = 10.0
     # Prompt-lookup speculative decoding (engine.spec_decode); None: off. Same tokens either way, only faster.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (engine.lora; ModelRunner reads them): off unless enable_lora; lora_modules are loaded at
+    # start, (name, PEFT directory) each; at most max_loras loaded at once, each of rank <= max_lora_rank.
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 8
+    max_lora_rank: int = 64
     stat_loggers: list[StatLogger] = field(default_factory=list)

@@ -96,6 +96,7 @@ class EngineCore:
             hash_algo=config.prefix_caching_hash_algo,
             enable_events=kv_event_sink is not None,
             none_hash=self.tiers.none_hash if self.tiers is not None else None,
+            max_retained_fraction=config.max_retained_fraction,
         )
         if self.tiers is not None:
             self.kv.attach_tiers(self.tiers)
@@ -292,6 +293,8 @@ class EngineCore:
             prefix_cache_requests=pcs.requests,
             num_preemptions=self.scheduler.take_num_preemptions(),
             num_evictions=pcs.evictions,
+            num_retained_blocks=pcs.retained_blocks,
+            num_retention_expiries=pcs.retention_expiries,
             prefix_cache_reset=prefix_cache_reset,
         )
         for stat_logger in self.stat_loggers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.outputs import FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -89,6 +89,9 @@ class Request:
     # Constrains the generated tokens (structured outputs); None: unconstrained. Advanced by every appended
     # output token, never by prompt tokens.
     grammar: GrammarState | None = None
+    # The LoRA adapter it runs (engine.lora.manager.LoRAAdapter, resolved from namespace.lora when it was
+    # added, and kept to its end: an unload does not take it away); None: the base model.
+    lora: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -127,6 +130,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def retention(self) -> tuple[float, int] | None:
+        """(TTL seconds, prompt tokens) to retain in the KV pool (kv_cache.retention), or None."""
+        p = self.sampling_params
+        if p.retention_s <= 0:
+            return None
+        n = (
+            self.num_prompt_tokens
+            if p.retention_tokens is None
+            else min(p.retention_tokens, self.num_prompt_tokens)
+        )
+        return p.retention_s, n
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

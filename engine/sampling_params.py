@@ -42,6 +42,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrains the output (JSON schema, regex, ...): compiled by AsyncEngine.generate off the engine thread.
     structured: StructuredOutputSpec | None = None
+    # Cache retention (kv_cache.retention): keep the KV blocks of the first `retention_tokens` prompt tokens
+    # (None: the whole prompt) in the pool for `retention_s` seconds after their last hit; 0: no retention.
+    # Here rather than beside the namespace because it travels the same hops from the server as the params.
+    retention_s: float = 0.0
+    retention_tokens: int | None = None
     # stop_token_ids as a set, built once per request (each of n children builds its own, once): the scheduler
     # tests every sampled token against it and the sampler masks it while min_tokens holds, so a list would
     # cost its length per token per sequence.
@@ -60,6 +65,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if not math.isfinite(self.retention_s) or self.retention_s < 0:
+            raise ValueError(f"retention_s must be a finite number >= 0, got {self.retention_s}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -27,6 +27,7 @@ private blocks remember their owner so that forget(owner) can drop one tenant's 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,6 +35,7 @@ from typing import Protocol
 from kv_cache.block_pool import BlockPool
 from kv_cache.hashing import BlockHash, BlockHasher, get_hash_fn, init_none_hash
 from kv_cache.namespace import CacheNamespace, Owner, PublicPrefixes
+from kv_cache.retention import RetentionTable
 from kv_cache.stats import BlockStored, KVCacheEvent, PrefixCacheStats
 from kv_cache.tier_bridge import TierBridge
 from kv_cache.tiers import LoadPlan, TierBlock, TierLookup
@@ -94,8 +96,12 @@ class KVCacheManager:
         enable_events: bool = False,
         public_prefixes: Iterable[Sequence[int]] = (),
         none_hash: BlockHash | None = None,
+        max_retained_fraction: float = 0.5,
     ) -> None:
-        """`none_hash`: block 0's parent hash (a disk tier's, derived from its persistent seed), else random."""
+        """`none_hash`: block 0's parent hash (a disk tier's, derived from its persistent seed), else random.
+        `max_retained_fraction`: of the pool, the most that retention requests may hold (kv_cache.retention)."""
+        if not 0.0 <= max_retained_fraction <= 1.0:
+            raise ValueError(f"max_retained_fraction must be in [0, 1], got {max_retained_fraction}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -113,12 +119,18 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []  # (source, destination) for the step being planned
         self.public_prefixes = PublicPrefixes(public_prefixes)
         self.tiers: TierBridge | None = None
+        self.retention = RetentionTable(
+            self.block_pool, int(num_blocks * max_retained_fraction) if enable_caching else 0
+        )
+        self._retained_upto: dict[str, int] = {}  # request id -> its leading blocks retained so far
+        self._expiries_reported = 0
+        self.clock = time.monotonic  # tests move time
 
     def attach_tiers(self, tiers: TierLookup) -> None:
         """Put tiers behind the pool: lookups that miss it may load from them (start_load), and every block
         cached from now on is written to them (take_writes)."""
         if self.enable_caching:
-            self.tiers = TierBridge(self.block_pool, tiers)
+            self.tiers = TierBridge(self.block_pool, tiers, self.block_size)
 
     def set_public_prefixes(self, prefixes: Iterable[Sequence[int]]) -> None:
         """Declare the public prefixes (token ids) for requests made from now on."""
@@ -136,6 +148,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return None
         public = self.public_prefixes.match(prompt_token_ids) if self.public_prefixes else 0
+        if namespace is not None and namespace.lora is not None:
+            # An adapter changes K and V (kv_cache.namespace): its public-prefix blocks are its own.
+            public = 0
         return BlockHasher(
             self.block_size,
             self.hash_fn,
@@ -246,7 +261,26 @@ class KVCacheManager:
             # Cache blocks as soon as they are full of known tokens (they are computed in this step), so that
             # a request scheduled later in the same step can already hit them.
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens) // bs)
+            if self.retention.max_blocks:
+                self._retain(request, blocks, hit)
         return new_ids
+
+    def _retain(self, request: CacheRequest, blocks: list[int], hit: list[int]) -> None:
+        """A hit refreshes the retained blocks it reads; a request asking for retention retains its cached
+        blocks up to its breakpoint (each block once: later steps only add the newly cached ones)."""
+        now = self.clock()
+        if hit:
+            self.retention.refresh(hit, now)
+        wanted = getattr(request, "retention", None)
+        if wanted is None or request.hasher is None:
+            return
+        ttl, num_tokens = wanted
+        rid = request.request_id
+        start = self._retained_upto.get(rid, 0)
+        end = min(self._num_cached.get(rid, 0), num_tokens // self.block_size)
+        if end > start:
+            self.retention.retain(blocks[start:end], request.hasher.namespace, ttl, now)
+            self._retained_upto[rid] = end
 
     def _cache_full_blocks(self, request: CacheRequest, blocks: list[int], num_full: int) -> None:
         rid = request.request_id
@@ -292,6 +326,7 @@ class KVCacheManager:
                 return  # the loader may be writing into its blocks: finish_loads frees them
             self.tiers.drop(rid)
         self._num_cached.pop(rid, None)
+        self._retained_upto.pop(rid, None)
         blocks = self._req_blocks.pop(rid, None)
         if not blocks:
             return
@@ -370,18 +405,22 @@ class KVCacheManager:
         must make before it writes any KV; the blocks the pass cached become reusable as tails."""
         copies, self._copies = self._copies, []
         self.block_pool.end_pass()
+        self.retention.expire(self.clock())
         return copies
 
     def reset_prefix_cache(self, force: bool = False) -> bool:
         """Forget every cached hash; False (nothing changes) while any block is in use, unless `force`: then
         blocks in use keep serving their requests without a hash, as after forget()."""
+        self.retention.release_all()  # retained blocks hold references: a reset forgets them first
         return self.block_pool.reset(force)
 
     def forget(self, owner: Owner) -> int:
         """Forget every cached block of `owner`'s private namespace (a tenant's reset), in use or not; returns
         how many. Blocks in use keep serving their requests, but no later request can hit them; public blocks
         and other owners' blocks are untouched."""
-        return self.block_pool.forget(owner)
+        n = self.block_pool.forget(owner)
+        self.retention.release_unhashed()
+        return n
 
     @property
     def usage(self) -> float:
@@ -402,6 +441,9 @@ class KVCacheManager:
         evictions = self.block_pool.num_evictions
         stats.evictions = evictions - self._evictions_reported
         self._evictions_reported = evictions
+        stats.retained_blocks = len(self.retention)
+        stats.retention_expiries = self.retention.num_expiries - self._expiries_reported
+        self._expiries_reported = self.retention.num_expiries
         self._stats = PrefixCacheStats()
         return stats
 
@@ -415,7 +457,7 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless ref counts, the free queue, the hash map and block tables agree."""
-        held = list(self._req_blocks.values())
+        held = list(self._req_blocks.values()) + self.retention.held()
         if self.tiers is not None:
             held += self.tiers.held()
             assert set(self.tiers.loading) <= set(self._req_blocks), "a loading request holds no blocks"

@@ -29,6 +29,8 @@ class PrefixCacheStats:
     evictions: int = 0  # cached blocks whose hash was dropped because the block was reallocated
     # Of `hits`, tokens loaded from a tier behind the pool ("host" | "disk"): the rest came from the pool.
     tier_hits: dict[str, int] = field(default_factory=dict)
+    retained_blocks: int = 0  # blocks held for retention requests now (kv_cache.retention)
+    retention_expiries: int = 0  # retained blocks whose TTL ran out
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool, num_public_hits: int = 0) -> None:
         if preempted:

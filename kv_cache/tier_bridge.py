@@ -16,6 +16,7 @@ Rules (the manager and the engine keep them):
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -34,8 +35,9 @@ def block_namespace(hasher: BlockHasher, index: int) -> NamespaceKeys:
 
 
 class TierBridge:
-    def __init__(self, pool: BlockPool, tiers: TierLookup) -> None:
+    def __init__(self, pool: BlockPool, tiers: TierLookup, block_size: int) -> None:
         self.pool = pool
+        self.pool_block_size = block_size
         self.tiers = tiers
         self.loading: dict[str, tuple[CacheRequest, LoadPlan]] = {}
         self._plans: list[LoadPlan] = []  # started this pass, for take_loads
@@ -111,10 +113,12 @@ class TierBridge:
 
     # ---- writes ----------------------------------------------------------------------------------------
 
-    def note_cached(
-        self, request: CacheRequest, blocks: Sequence[int], start: int, end: int, retain_until: float = 0.0
-    ) -> None:
-        """Blocks start..end of the request were just cached: pin and queue those some tier lacks."""
+    def note_cached(self, request: CacheRequest, blocks: Sequence[int], start: int, end: int) -> None:
+        """Blocks start..end of the request were just cached: pin and queue those some tier lacks (those the
+        request retains carry their retention's end, wall-clock, for the disk's LRU)."""
+        wanted = getattr(request, "retention", None)
+        retain_blocks = wanted[1] // self.pool_block_size if wanted else 0
+        retain_until = time.time() + wanted[0] if wanted else 0.0
         hasher = request.hasher
         assert hasher is not None
         hashes = request.block_hashes
@@ -128,7 +132,8 @@ class TierBridge:
             self.pins[b] += 1
             block_owner = owner if i >= hasher.num_public_blocks else None
             ns = block_namespace(hasher, i)
-            self._writes.append((request.request_id, TierBlock(b, hashes[i], ns, block_owner, retain_until)))
+            until = retain_until if i < retain_blocks else 0.0
+            self._writes.append((request.request_id, TierBlock(b, hashes[i], ns, block_owner, until)))
 
     def take_writes(self, failed: Iterable[str] = ()) -> list[TierBlock]:
         """The blocks cached since the last call, to copy out now that the step computing them ran; those of

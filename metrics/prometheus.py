@@ -124,12 +124,20 @@ class PrometheusStatLogger:
             registry=reg,
         )
         self.prefix_cache_tier_hits = {t: tier_hits.labels(model_name, t) for t in KV_TIERS}
+        self.retention_expiries = counter(
+            "brine_kv_retention_expiries",
+            "KV blocks retained for a retention request (prompt_cache_retention, cache_control ttl) whose TTL ran out.",
+        )
         # Gauges: the state after the latest step.
         self.num_running = gauge("brine_num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("brine_num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("brine_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
         self.num_cached_blocks = gauge(
             "brine_num_cached_blocks", "KV blocks holding a prefix hash (reusable by a later request)."
+        )
+        self.num_retained_blocks = gauge(
+            "brine_num_retained_blocks",
+            "KV blocks kept in the pool for retention requests until their TTL (never evicted meanwhile).",
         )
 
         # Histograms.
@@ -211,6 +219,8 @@ class PrometheusStatLogger:
             self.num_waiting.set(s.num_waiting)
             self.kv_cache_usage.set(s.kv_cache_usage)
             self.num_cached_blocks.set(s.num_cached_blocks)
+            self.num_retained_blocks.set(s.num_retained_blocks)
+            self.retention_expiries.inc(s.num_retention_expiries)
             # Counter.inc(0) is legal; negative values would raise, which is the engine's bug to see.
             self.prefix_cache_queries.inc(s.prefix_cache_queries)
             self.prefix_cache_hits.inc(s.prefix_cache_hits)

@@ -33,6 +33,8 @@ class SchedulerStats:
     prefix_cache_public_hits: int = 0
     # Of prefix_cache_hits, tokens loaded from a KV tier behind the pool, by tier ("host" | "disk").
     prefix_cache_tier_hits: dict[str, int] = field(default_factory=dict)
+    num_retained_blocks: int = 0  # KV blocks held in the pool for retention requests, after this step
+    num_retention_expiries: int = 0  # retained blocks whose TTL ran out, this step
     # Number of requests behind prefix_cache_queries (kv_cache's PrefixCacheStats.requests). Added beyond the
     # contract so the log line can give the hit rate over the last N *requests*; when the engine leaves it at
     # 0, a step with queries counts as one request.

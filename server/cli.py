@@ -32,6 +32,16 @@ def _memory(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -43,13 +53,6 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -134,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10 * 2**30,
         metavar="SIZE",
         help="the most the KV disk tier keeps in --kv-disk-dir, least recently used first out (default: 10GiB)",
+    )
+    s.add_argument(
+        "--max-retained-fraction",
+        type=_fraction,
+        default=0.5,
+        metavar="F",
+        help="of the KV pool, the most that retention requests (prompt_cache_retention, cache_control ttl) may "
+        "hold; each cache namespace's share is this over the namespaces retaining (default: %(default)s)",
     )
     s.add_argument(
         "--kv-disk-key-file",
@@ -270,15 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         metavar="N",
         help="prompts in one /v1/completions request (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--max-requests-per-namespace",
-        type=_non_negative,
-        default=256,
-        metavar="N",
-        help="generation requests one namespace (tenant, gateway value or salt; all unsalted requests "
-        "together) may have running or queued at once; more is a 429 with Retry-After (default: "
-        "%(default)s; 0: no cap)",
     )
     limits.add_argument(
         "--max-requests-per-namespace",

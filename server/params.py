@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 from server.errors import APIError, bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.retention import retention_seconds
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -133,6 +134,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         structured=structured,
+        retention_s=retention_seconds(req.prompt_cache_retention),
     )
     try:
         params.validate()

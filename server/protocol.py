@@ -162,6 +162,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_cache_key: PromptCacheKey = None
+    # "24h": the KV pool keeps the prompt's blocks for 24 hours after their last hit (server.retention).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
     top_k: int | None = Field(default=None, ge=-1)

@@ -188,6 +188,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         "seed": req.seed,
         "top_k": req.top_k,
         "min_p": req.min_p,
+        "prompt_cache_retention": req.prompt_cache_retention,
     }
     if req.cache_salt is not None:
         body["cache_salt"] = req.cache_salt

@@ -24,6 +24,7 @@ from server.params import check_chat_features, sampling_params
 from server.prompts import off_loop, render_chat
 from server.protocol import ChatCompletionRequest
 from server.responses import chat_logprobs
+from server.retention import chat_retention
 from server.serving import Generation, Prepared, check_generation, final_reason
 from server.structured import ToolCallPlan, new_tool_call_id, structured_spec, tool_call_plan
 from server.tool_parsers import HermesToolParser, parse_tool_calls, supports_hermes_tools
@@ -76,6 +77,7 @@ async def prepare_chat(engine: EngineClient, req: ChatCompletionRequest, request
         vocab_size=engine.tokenizer.vocab_size,
         structured=constraint[1] if constraint else None,
     )
+    params.retention_s, params.retention_tokens = await chat_retention(engine, req, prompt, namespace)
     return PreparedChat(namespace, [prompt], params, constraint[0] if constraint else None, tools, auto_tools)
 
 

@@ -35,6 +35,7 @@ from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.messages_stream import Blocks
 from server.params import check_model
 from server.prompts import off_loop, render_chat
+from server.retention import CACHE_CONTROL_TTL_S
 from server.serving import Generation, final_reason
 from server.serving_chat import PreparedChat, prepare_chat
 from server.structured import start_constrained
@@ -61,6 +62,9 @@ async def create_message(engine: EngineClient, req: MessagesRequest, request: Re
             auto_tools=auto_tools,
             namespace=prepared.namespace,
         )
+    if converted.breakpoint is not None:  # honoured: the blocks up to the breakpoint stay for the TTL
+        prepared.params.retention_s = CACHE_CONTROL_TTL_S[converted.breakpoint.ttl]
+        prepared.params.retention_tokens = marked
     generation = MessagesGeneration(engine, prepared, marked)
     return await generation.respond(request, bool(req.stream), False)
 

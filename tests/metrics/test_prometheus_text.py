@@ -16,6 +16,12 @@ HELP = {
     "brine_prefix_cache_public_hits": (
         "Of the prefix-cache hits, tokens in blocks of a declared public prefix (shared by every tenant)."
     ),
+    "brine_kv_retention_expiries": (
+        "KV blocks retained for a retention request (prompt_cache_retention, cache_control ttl) whose TTL ran out."
+    ),
+    "brine_num_retained_blocks": (
+        "KV blocks kept in the pool for retention requests until their TTL (never evicted meanwhile)."
+    ),
     "brine_prefix_cache_tier_hits": (
         "Of the prefix-cache hits, tokens by the tier that served them: pool (the device KV pool), host "
         "(--kv-host-memory) or disk (--kv-disk-dir); the tiers sum to brine_prefix_cache_hits_total."

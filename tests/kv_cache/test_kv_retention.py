@@ -1,0 +1,150 @@
+"""Retention: a retained prompt's blocks are not evicted for their TTL (each hit refreshing it), the global
+cap and each namespace's share hold, a namespace past its share yields its own oldest, and resets release."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_fakes import FakeRequest, admit, release
+
+from kv_cache import CacheNamespace, KVCacheManager
+
+BS = 4
+
+
+@dataclass
+class RetainingRequest(FakeRequest):
+    ttl: float = 0.0
+    retain_tokens: int = 0
+
+    @property
+    def retention(self) -> tuple[float, int] | None:
+        return (self.ttl, self.retain_tokens) if self.ttl else None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks: int = 16, fraction: float = 0.5) -> tuple[KVCacheManager, Clock]:
+    mgr = KVCacheManager(num_blocks, BS, max_retained_fraction=fraction)
+    clock = Clock()
+    mgr.clock = clock
+    return mgr, clock
+
+
+def req(mgr: KVCacheManager, rid: str, tokens, salt: str = "s", ttl: float = 0.0, upto: int | None = None):
+    tokens = list(tokens)
+    ns = CacheNamespace(salt=salt)
+    return RetainingRequest(
+        rid, tokens, mgr.make_hasher(ns, tokens), ttl=ttl, retain_tokens=upto or len(tokens)
+    )
+
+
+def flood(mgr: KVCacheManager, n: int, salt: str = "flood") -> None:
+    """Prompts that need every free block, one after another: evicts whatever is not retained."""
+    for i in range(n):
+        r = req(mgr, f"flood{i}", range(1000 * (i + 1), 1000 * (i + 1) + BS * mgr.num_free_blocks), salt)
+        admit(mgr, r)
+        mgr.end_pass()
+        mgr.free(r)
+
+
+def test_a_retained_prompt_survives_a_flood_and_an_unretained_one_does_not() -> None:
+    mgr, clock = make()
+    kept = req(mgr, "kept", range(13), ttl=300)  # 3 full blocks
+    plain = req(mgr, "plain", range(100, 113), salt="t")
+    for r in (kept, plain):
+        admit(mgr, r)
+        mgr.free(r)
+    assert len(mgr.retention) == 3
+    flood(mgr, 3)
+    assert admit(mgr, again := req(mgr, "k2", range(13)))[0].num_tokens == 12
+    assert admit(mgr, other := req(mgr, "p2", range(100, 113), salt="t"))[0].num_tokens == 0
+    mgr.free(again)
+    mgr.free(other)
+    mgr.check_invariants()
+    clock.now = 301 + 300  # the hit at t=0 refreshed it; past that TTL it goes
+    mgr.end_pass()
+    assert len(mgr.retention) == 0 and mgr.retention.num_expiries == 3
+    stats = mgr.make_prefix_cache_stats()
+    assert stats.retention_expiries == 3 and stats.retained_blocks == 0
+    release(mgr)
+
+
+def test_a_hit_refreshes_the_ttl() -> None:
+    mgr, clock = make()
+    r = req(mgr, "a", range(9), ttl=10)
+    admit(mgr, r)
+    mgr.free(r)
+    clock.now = 8
+    hit = req(mgr, "b", range(9))  # no retention of its own
+    admit(mgr, hit)
+    mgr.free(hit)
+    clock.now = 15  # 15 > 10, but the hit at 8 keeps it until 18
+    mgr.end_pass()
+    assert len(mgr.retention) == 2
+    clock.now = 18.5
+    mgr.end_pass()
+    assert len(mgr.retention) == 0
+    release(mgr)
+
+
+def test_only_the_blocks_up_to_the_breakpoint_are_retained() -> None:
+    mgr, _ = make()
+    r = req(mgr, "a", range(17), ttl=60, upto=9)  # a breakpoint after token 9: blocks 0 and 1
+    admit(mgr, r)
+    mgr.free(r)
+    assert len(mgr.retention) == 2
+    mgr.reset_prefix_cache()
+    assert len(mgr.retention) == 0
+    release(mgr)
+
+
+def test_the_global_cap_and_each_namespace_share_hold() -> None:
+    mgr, _ = make(num_blocks=16, fraction=0.5)  # cap 8
+    a = req(mgr, "a", range(33), salt="A", ttl=60)  # 8 full blocks: alone, A may take the whole cap
+    admit(mgr, a)
+    mgr.free(a)
+    assert mgr.retention.count(CacheNamespace(salt="A")) == 8
+    b = req(mgr, "b", range(500, 517), salt="B", ttl=60)  # B arrives: the share is now 4 each
+    admit(mgr, b)
+    mgr.free(b)
+    assert len(mgr.retention) <= 8
+    assert mgr.retention.count(CacheNamespace(salt="B")) == 4
+    assert mgr.retention.count(CacheNamespace(salt="A")) == 4
+    # A's oldest yielded: its deepest blocks are the ones still kept (retained last).
+    c = req(mgr, "c", range(900, 917), salt="A", ttl=60)  # A at its share: only its own oldest go
+    admit(mgr, c)
+    mgr.free(c)
+    assert mgr.retention.count(CacheNamespace(salt="B")) == 4
+    assert mgr.retention.count(CacheNamespace(salt="A")) == 4
+    mgr.check_invariants()
+    mgr.reset_prefix_cache()
+    release(mgr)
+
+
+def test_a_tenant_reset_releases_its_retained_blocks() -> None:
+    mgr, _ = make()
+    tokens = list(range(9))
+    ns = CacheNamespace(tenant="t1")
+    r = RetainingRequest("a", tokens, mgr.make_hasher(ns, tokens), ttl=60, retain_tokens=9)
+    admit(mgr, r)
+    mgr.free(r)
+    assert len(mgr.retention) == 2
+    mgr.forget(("tenant", "t1"))
+    assert len(mgr.retention) == 0
+    release(mgr)
+
+
+def test_no_retention_without_caching_or_with_a_zero_cap() -> None:
+    mgr, _ = make(fraction=0.0)
+    r = req(mgr, "a", range(9), ttl=60)
+    admit(mgr, r)
+    mgr.free(r)
+    assert len(mgr.retention) == 0
+    release(mgr)
