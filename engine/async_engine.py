@@ -117,6 +117,8 @@ class AsyncEngine:
         self.enable_prefix_caching = core.enable_prefix_caching
         self.num_blocks = core.kv.num_blocks  # KV cache size, for the startup log
         self.block_size = core.kv.block_size
+        # The LoRA adapters (engine.lora.manager.LoRAManager; thread-safe), None without --enable-lora.
+        self.loras = getattr(core.runner, "lora", None)
         self._inbox: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # callers' registry: ids in use, streams to fail on death
         self._streams_lock = threading.Lock()

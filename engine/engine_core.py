@@ -139,6 +139,7 @@ class EngineCore:
         `grammar` (compiled off this thread) constrains every sequence's output; each gets its own matcher."""
         try:
             self.check_request(prompt_token_ids, params)
+            lora = self._lora_of(namespace)
             arrival = time.monotonic() if arrival_time is None else arrival_time
             children = []
             for i in range(params.n):
@@ -160,6 +161,7 @@ class EngineCore:
                         index=i,
                         owner=owner or request_id,
                         grammar=state,
+                        lora=lora,
                     )
                 )
             self.outputs.add(request_id, prompt_token_ids, children)
@@ -168,6 +170,15 @@ class EngineCore:
         for child in children:
             self.scheduler.add_request(child)
         return []
+
+    def _lora_of(self, namespace: CacheNamespace | None) -> object:
+        """The LoRA adapter the namespace names (engine.lora), None for the base model; raises if unservable."""
+        manager = getattr(self.runner, "lora", None)
+        if manager is not None:
+            return manager.resolve(namespace)
+        if namespace is not None and namespace.lora is not None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora is off)")
+        return None
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Aborts every sequence of a request now (its blocks are freed). Unknown ids: nothing."""

@@ -12,6 +12,7 @@ per new token whose next token is still a prompt token.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.grammar_masks import MaskFiller, StepMasks
 from engine.kv_store import KVStore
+from engine.lora.manager import LoRAManager
 from engine.model.attention import AttentionMetadata, slot_ids
 from engine.model.cpu_linear import PackedLinear
 from engine.model.device import resolve_device, resolve_dtype, select_backend
@@ -90,8 +92,15 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, cfg.vocab_size, cfg.eos_token_ids)
         self.grammar_masks = MaskFiller(cfg.vocab_size)
+        # Adapters add their deltas from Python (engine.lora.layer), which the native stack would skip: with
+        # --enable-lora every step runs the Python layers, so a base row's bits never depend on its neighbours.
+        self.lora = LoRAManager.from_config(config, self.model, self.device) if config.enable_lora else None
         self.model.native_stack, why_not = (
-            (None, "--enforce-eager") if config.enforce_eager else NativeStack.build(self.model)
+            (None, "--enforce-eager")
+            if config.enforce_eager
+            else (None, "--enable-lora")
+            if self.lora is not None
+            else NativeStack.build(self.model)
         )
         logger.info(
             "model %s on %s (%s), kernels %s, linears %s, attention backend %s, layers %s, batch invariance %s",
@@ -139,8 +148,9 @@ class ModelRunner:
         if not reqs:
             return RunnerOutput({}, errors=errors)
         step = self._prepare(reqs)
+        adapters = self.lora.step(reqs) if self.lora is not None else contextlib.nullcontext()
         # Grammar masks are filled on their own thread while the forward runs (engine.grammar_masks).
-        with self.grammar_masks.filling(step.sampling) as masks:
+        with self.grammar_masks.filling(step.sampling) as masks, adapters:
             result = self._sample(step, self._run(step), masks)
         result.errors.update(errors)
         return result

@@ -55,6 +55,9 @@ class ScheduledRequest:
     # the tokens after the last known one. The runner samples at every one of those positions and keeps the
     # drafts the model agrees with (engine.spec_verify); they are not in all_token_ids.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The request's LoRA adapter (engine.lora.manager.LoRAAdapter), None for the base model: the runner adds
+    # its deltas to this request's rows.
+    lora: Any = None
 
 
 @dataclass(slots=True)

@@ -407,6 +407,7 @@ class Scheduler:
             num_output_tokens=req.num_output_tokens,
             grammar=req.grammar,
             draft_token_ids=drafts or [],
+            lora=req.lora,
         )
 
     # ---- state -----------------------------------------------------------------------------------------

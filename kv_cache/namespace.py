@@ -4,7 +4,10 @@ A request's `CacheNamespace` is set by the server (never by the engine) from thr
 key in the block hash, so a value of one kind can never collide with a value of another:
 - `tenant`: the tenant whose API key (from `--tenants`) authenticated the request: `("tenant", id)`;
 - `gateway`: the value of the trusted gateway header (`--salt-header`): `("gateway", value)`;
-- `salt`: the body's `cache_salt`, partitioning further inside the tenant: `("cache_salt", salt)`.
+- `salt`: the body's `cache_salt`, partitioning further inside the tenant: `("cache_salt", salt)`;
+- `lora`: the LoRA adapter the request runs (its name and content fingerprint): `("lora", name, fingerprint)`.
+  An adapter changes the K and V of every layer it touches (and of every later one), so its blocks are never
+  another adapter's or the base model's, public prefixes included (`KVCacheManager.make_hasher`).
 The namespace's keys go into the extra keys of the request's first private block (block 0 unless a public
 prefix comes first) and every later block inherits them through its parent hash.
 
@@ -33,16 +36,19 @@ class CacheNamespace:
     tenant: str | None = None
     gateway: str | None = None
     salt: str | None = None
+    lora: tuple[str, str] | None = None  # (adapter name, content fingerprint)
 
-    def keys(self) -> tuple[tuple[str, str], ...]:
-        """The typed extra keys of the first private block, in a fixed order (tenant, gateway, salt)."""
-        out: list[tuple[str, str]] = []
+    def keys(self) -> tuple[tuple[str, ...], ...]:
+        """The typed extra keys of the first private block, in a fixed order (tenant, gateway, salt, lora)."""
+        out: list[tuple[str, ...]] = []
         if self.tenant is not None:
             out.append(("tenant", self.tenant))
         if self.gateway is not None:
             out.append(("gateway", self.gateway))
         if self.salt is not None:
             out.append(("cache_salt", self.salt))
+        if self.lora is not None:
+            out.append(("lora", *self.lora))
         return tuple(out)
 
     @property
@@ -57,7 +63,11 @@ class CacheNamespace:
 
     def __repr__(self) -> str:
         # Never print the values: a namespace that reaches a log or an exception message must not name anyone.
-        kinds = [k for k, v in (("tenant", self.tenant), ("gateway", self.gateway), ("salt", self.salt)) if v]
+        kinds = [
+            k
+            for k, v in (("tenant", self.tenant), ("gateway", self.gateway), ("salt", self.salt), ("lora", self.lora))
+            if v
+        ]
         return f"CacheNamespace({', '.join(kinds) or 'unsalted'})"
 
 

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 # The namespace a block's contents are encrypted under: CacheNamespace.keys() of its request for a private
 # block, () for a block of a declared public prefix (shared by every namespace).
-NamespaceKeys = tuple[tuple[str, str], ...]
+NamespaceKeys = tuple[tuple[str, ...], ...]
 
 
 @dataclass(slots=True)
@@ -55,6 +55,7 @@ class LoadPlan:
     blocks: list[TierBlock]
     tiers: list[str]  # the tier each block is read from ("host" | "disk")
     abandoned: bool = False  # the request finished while loading: free the blocks, cache nothing
+    epoch: int = 0  # the manager's reset count when it started: a reset since then caches nothing it loads
 
 
 class TierStore(Protocol):

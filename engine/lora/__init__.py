@@ -1,0 +1,8 @@
+"""LoRA adapters served beside the base model (`brine serve --enable-lora`).
+
+- `peft_format`: reading one adapter in PEFT's layout (adapter_config.json + adapter_model.safetensors) and its
+  content fingerprint;
+- `delta`: the low-rank products of one adapter's target, row-count invariant like the base linears;
+- `layer`: `LoRALinear`, which wraps a base linear and adds each row's delta, gathered per adapter (punica-style);
+- `manager`: `LoRAManager`, the registry of loaded adapters and the per-step row groups the wrappers read.
+"""

@@ -1,0 +1,193 @@
+"""`LoRAManager`: the loaded adapters (by name), and the row groups of the step being run.
+
+Rules a caller keeps:
+- `load` and `unload` may be called from any thread (the server's); the engine thread calls `resolve` when a
+  request is added and `step()` around each forward. A request holds its `LoRAAdapter` from `resolve` to its
+  end, so an adapter unloaded (or replaced) while requests run leaves them on the weights they started with.
+- At most `max_loras` adapters are loaded at once (`--max-loras`): on CPU every loaded adapter is resident, so
+  this bounds their memory; a load beyond it is refused until one is unloaded.
+- A request names its adapter through its cache namespace (`CacheNamespace.lora`: name and fingerprint), so
+  the weights it runs are the ones its cache key names; a fingerprint that no longer matches (the adapter was
+  reloaded between the server's check and the engine's add) fails that request, never runs other weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.lora.delta import TargetDelta
+from engine.lora.layer import LoRAStep, wrap_model
+from engine.lora.peft_format import TARGETS, LoRAError, TargetShape, load_peft
+from engine.model.llama import LlamaForCausalLM
+from kv_cache.namespace import CacheNamespace
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+MAX_NAME_CHARS = 256
+
+
+@dataclass(slots=True, eq=False)
+class LoRAAdapter:
+    """A loaded adapter: its name, fingerprint, rank, and one delta module per (layer, target) it changes."""
+
+    name: str
+    path: str
+    fingerprint: str
+    rank: int
+    lora_id: int  # 1, 2, ... in load order (vLLM's lora_int_id); never reused
+    deltas: dict[tuple[int, str], nn.Module]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the cache namespace carries: (name, fingerprint)."""
+        return (self.name, self.fingerprint)
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
+        raise LoRAError(f"an adapter name must be 1 to {MAX_NAME_CHARS} printable characters")
+    if any(c.isspace() for c in name) or "=" in name:
+        raise LoRAError("an adapter name must not contain whitespace or '='")
+    return name
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        batch_invariant: bool = True,
+        reserved_names: Sequence[str] = (),
+    ) -> None:
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        cfg = model.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.shapes = {
+            "q_proj": TargetShape(h, q),
+            "k_proj": TargetShape(h, kv),
+            "v_proj": TargetShape(h, kv),
+            "o_proj": TargetShape(q, h),
+            "gate_proj": TargetShape(h, inter),
+            "up_proj": TargetShape(h, inter),
+            "down_proj": TargetShape(inter, h),
+        }
+        assert set(self.shapes) == set(TARGETS)
+        self.num_layers = cfg.num_layers
+        self.device = device
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.batch_invariant = batch_invariant
+        self.reserved = frozenset(reserved_names)  # the base model's name(s)
+        self.current = LoRAStep()
+        self.num_wrapped = wrap_model(model, self.current)
+        self._adapters: dict[str, LoRAAdapter] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> LoRAManager:
+        """Wraps `model` and loads `config.lora_modules`; ValueError (LoRAError) naming the bad module."""
+        manager = cls(
+            model,
+            device,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            batch_invariant=config.batch_invariant,
+            reserved_names=[n for n in (config.served_model_name,) if n],
+        )
+        for name, path in config.lora_modules:
+            try:
+                adapter = manager.load(name, path)
+            except LoRAError as exc:
+                raise LoRAError(f"--lora-modules {name}: {exc}") from None
+            logger.info(
+                "LoRA adapter %s: rank %d, %d targets, from %s", name, adapter.rank, len(adapter.deltas), path
+            )
+        return manager
+
+    # ---- the registry (any thread) ---------------------------------------------------------------------
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Loads the adapter at `path` as `name`; LoRAError (a 400 for the server) if it cannot be."""
+        check_name(name)
+        if name in self.reserved:
+            raise LoRAError("an adapter cannot take the base model's name")
+        with self._lock:
+            self._check_room(name)
+        peft = load_peft(path, self.shapes, self.num_layers, self.max_lora_rank)
+        deltas: dict[tuple[int, str], nn.Module] = {
+            key: TargetDelta(a, b, self.device, self.batch_invariant) for key, (a, b) in peft.weights.items()
+        }
+        with self._lock:
+            self._check_room(name)  # again: another load may have won the race while this one read files
+            adapter = LoRAAdapter(name, peft.path, peft.fingerprint, peft.rank, next(self._ids), deltas)
+            self._adapters[name] = adapter
+        return adapter
+
+    def _check_room(self, name: str) -> None:
+        if name in self._adapters:
+            raise LoRAError(f"an adapter named {name!r} is already loaded (unload it first)")
+        if len(self._adapters) >= self.max_loras:
+            raise LoRAError(f"{self.max_loras} adapters are loaded, the --max-loras limit: unload one first")
+
+    def unload(self, name: str) -> bool:
+        """Forgets `name` (False if it was not loaded). Requests running on it finish on it."""
+        with self._lock:
+            return self._adapters.pop(name, None) is not None
+
+    def get(self, name: str) -> LoRAAdapter | None:
+        with self._lock:
+            return self._adapters.get(name)
+
+    def adapters(self) -> list[LoRAAdapter]:
+        """The loaded adapters, in load order."""
+        with self._lock:
+            return sorted(self._adapters.values(), key=lambda a: a.lora_id)
+
+    # ---- the engine thread -----------------------------------------------------------------------------
+
+    def resolve(self, namespace: CacheNamespace | None) -> LoRAAdapter | None:
+        """The adapter a request's namespace names (None: the base model); LoRAError if it is gone or changed."""
+        if namespace is None or namespace.lora is None:
+            return None
+        name, fp = namespace.lora
+        adapter = self.get(name)
+        if adapter is None or adapter.fingerprint != fp:
+            raise LoRAError(f"the LoRA adapter {name!r} was unloaded or replaced before the request started")
+        return adapter
+
+    @contextlib.contextmanager
+    def step(self, reqs: Sequence[object]) -> Iterator[None]:
+        """Sets the row groups of a step whose requests (ScheduledRequest: `new_token_ids`, `lora`) are laid
+        out in this order, for the duration of its forward."""
+        rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
+        row0 = 0
+        for r in reqs:
+            n = len(r.new_token_ids)  # type: ignore[attr-defined]
+            adapter: LoRAAdapter | None = getattr(r, "lora", None)
+            if adapter is not None:
+                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(row0, row0 + n))
+            row0 += n
+        self.current.groups = [
+            (adapter, torch.tensor(ids, dtype=torch.int64, device=self.device))
+            for adapter, ids in sorted(rows.values(), key=lambda g: g[0].lora_id)
+        ]
+        try:
+            yield
+        finally:
+            self.current.groups = []
