@@ -23,6 +23,7 @@ from server.errors import APIError, bad_request, engine_not_running, install_err
 from server.generation import ClientDisconnected
 from server.inflight import InflightLimiter
 from server.limits import RequestLimits
+from server.lora_routes import adapter_cards, add_lora_routes, find_adapter_card
 from server.messages_routes import install_messages_routes
 from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
 from server.params import check_chat_template, check_model
@@ -143,13 +144,19 @@ def create_app(
         }
 
     @app.get("/v1/models", operation_id="listModels")
-    async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+    async def list_models(request: Request) -> dict:
+        # LoRA adapters follow the base model, as vLLM lists them (only those this caller may use).
+        return {"object": "list", "data": [model_card(), *adapter_cards(engine, request, created)]}
 
     @app.get("/v1/models/{model_id:path}", operation_id="retrieveModel")
-    async def retrieve_model(model_id: str) -> dict:
+    async def retrieve_model(model_id: str, request: Request) -> dict:
+        adapter = find_adapter_card(engine, request, model_id, created)
+        if adapter is not None:
+            return adapter
         check_model(model_id, engine.model_name)
         return model_card()
+
+    add_lora_routes(app, engine)
 
     @app.get("/health", operation_id="health")
     async def health() -> Response:

@@ -230,6 +230,39 @@ def build_parser() -> argparse.ArgumentParser:
         '"disable_by_batch_size" and "max_draft_tokens_per_step"). Drafts come from each request\'s own tokens '
         "only; the output is the same tokens and logprobs as without it, only sooner (default: off)",
     )
+    s.add_argument(
+        "--enable-lora",
+        action="store_true",
+        dest="enable_lora",
+        help="serve LoRA adapters beside the base model: a request whose model is an adapter's name runs it; "
+        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (operator only) change them at run time. "
+        "The decoder layers then run from Python, never as one native call (default: off)",
+    )
+    s.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=_lora_module,
+        default=[],
+        dest="lora_modules",
+        metavar="NAME=PATH",
+        help="adapters to load at start, each a PEFT directory (adapter_config.json + "
+        "adapter_model.safetensors); needs --enable-lora",
+    )
+    s.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=8,
+        dest="max_loras",
+        help="adapters loaded at once (on CPU every loaded adapter is resident; default: 8)",
+    )
+    s.add_argument(
+        "--max-lora-rank",
+        type=_positive_int,
+        default=64,
+        dest="max_lora_rank",
+        help="the highest rank an adapter may have (default: 64)",
+    )
     s.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
     s.add_argument(
         "--api-key",
@@ -408,6 +441,23 @@ def _speculative_config(value: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
 def _kv_events_endpoint(value: str) -> str:
     from engine.kv_event_publisher import replay_endpoint_for
 
@@ -444,6 +494,8 @@ def omp_spin_default(environ: dict[str, str] | os._Environ[str] = os.environ) ->
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     if args.command == "tenant-key":
         return tenant_key(args.tenant)
     if args.command != "serve":

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import ipaddress
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # heavy imports (torch) happen inside serve() only
@@ -87,13 +88,18 @@ def _prefix_caching_summary(requested: bool, enabled: bool) -> str:
 
 def _tenancy(args: argparse.Namespace, api_keys: list[str]) -> TenancyConfig:
     """The TenancyConfig the flags ask for; ValueError (a message naming the file and line) if unusable."""
+    from server.lora_access import parse_tenant_loras
     from server.tenancy import TenancyConfig
     from server.tenants import key_hash, load_tenants
 
     tenants = load_tenants(args.tenants) if args.tenants else None
     if tenants is not None and any(key_hash(k) in tenants for k in api_keys):
         raise ValueError("a key given with --api-key or BRINE_API_KEY is also a tenant's key in --tenants")
-    return TenancyConfig(tenants, args.salt_header, args.require_cache_salt)
+    # load_tenants has read and checked the file: its loras= fields are well formed.
+    tenant_loras = (
+        parse_tenant_loras(Path(args.tenants).read_text(encoding="utf-8")) if args.tenants else None
+    )
+    return TenancyConfig(tenants, args.salt_header, args.require_cache_salt, tenant_loras)
 
 
 def is_loopback(host: str) -> bool:

@@ -25,7 +25,7 @@ from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError
 from server.generation import OutputStream, check_output, sse_response, unless_disconnected
 from server.limits import check_limits
-from server.params import check_model
+from server.lora_routes import select_adapter, with_adapter
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenTexts, finish_reason, new_id, now, usage
 from server.structured import start_constrained
@@ -43,7 +43,8 @@ def check_generation(
     check_text(req)  # first: a field that is not valid Unicode cannot even be named back in an error
     check_limits(req, request.app.state.limits)  # before anything is tokenized
     namespace = request_namespace(request, req.cache_salt)
-    check_model(req.model, engine.model_name)
+    # The base model, or a LoRA adapter this caller may use (its typed cache key joins the namespace).
+    namespace = with_adapter(namespace, select_adapter(engine, request, req.model))
     check_features(req)
     return namespace
 

@@ -34,6 +34,8 @@ class TenancyConfig:
     tenants: dict[str, str] | None = None
     salt_header: str | None = None
     require_cache_salt: bool = False
+    # {tenant: the LoRA adapters it may use} for tenants whose lines limit them (server.lora_access).
+    tenant_loras: dict[str, frozenset[str]] | None = None
 
     def __post_init__(self) -> None:
         if self.salt_header is not None:

@@ -1,7 +1,8 @@
 """The `--tenants` file (which API key is which tenant) and `brine tenant-key`, which makes a key for one.
 
 The file is plain text, one tenant key per line: the tenant id, whitespace, and the lowercase hex SHA-256 of
-the key (`acme 9f86d0...`). Blank lines and lines starting with `#` are ignored. It holds no secrets: only the
+the key (`acme 9f86d0...`), optionally followed by the LoRA adapters the tenant may use (`loras=a,b`,
+server.lora_access). Blank lines and lines starting with `#` are ignored. It holds no secrets: only the
 keys' hashes. A tenant may have several lines (several keys, for rotation); one key cannot belong to two
 tenants. A malformed line refuses the whole file, naming its line number (never its content: an id in a log
 would name a tenant).
@@ -51,11 +52,16 @@ def parse_tenants(text: str, source: str = "tenants file") -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         fields = line.split()
-        if len(fields) != 2:
+        # A third field may limit the tenant's LoRA adapters (server.lora_access: loras=NAME,NAME).
+        if len(fields) == 3 and not fields[2].startswith("loras="):
             raise TenantsFileError(
-                f"{source}, line {lineno}: expected 'TENANT SHA256HEX' (two fields), found {len(fields)}"
+                f"{source}, line {lineno}: the third field, if any, must be loras=NAME,..."
             )
-        tenant, digest = fields
+        if len(fields) not in (2, 3):
+            raise TenantsFileError(
+                f"{source}, line {lineno}: expected 'TENANT SHA256HEX [loras=NAME,...]', found {len(fields)} fields"
+            )
+        tenant, digest = fields[:2]
         problem = check_tenant_id(tenant)
         if problem is not None:
             raise TenantsFileError(f"{source}, line {lineno}: {problem}")

@@ -122,26 +122,29 @@ class LoRAManager:
 
     # ---- the registry (any thread) ---------------------------------------------------------------------
 
-    def load(self, name: str, path: str) -> LoRAAdapter:
-        """Loads the adapter at `path` as `name`; LoRAError (a 400 for the server) if it cannot be."""
+    def load(self, name: str, path: str, replace: bool = False) -> LoRAAdapter:
+        """Loads the adapter at `path` as `name`; LoRAError (a 400 for the server) if it cannot be.
+        `replace`: an adapter already loaded under `name` gives way to this one (running requests keep it)."""
         check_name(name)
         if name in self.reserved:
             raise LoRAError("an adapter cannot take the base model's name")
         with self._lock:
-            self._check_room(name)
+            self._check_room(name, replace)
         peft = load_peft(path, self.shapes, self.num_layers, self.max_lora_rank)
         deltas: dict[tuple[int, str], nn.Module] = {
             key: TargetDelta(a, b, self.device, self.batch_invariant) for key, (a, b) in peft.weights.items()
         }
         with self._lock:
-            self._check_room(name)  # again: another load may have won the race while this one read files
+            self._check_room(name, replace)  # again: another load may have won the race meanwhile
             adapter = LoRAAdapter(name, peft.path, peft.fingerprint, peft.rank, next(self._ids), deltas)
             self._adapters[name] = adapter
         return adapter
 
-    def _check_room(self, name: str) -> None:
+    def _check_room(self, name: str, replace: bool) -> None:
         if name in self._adapters:
-            raise LoRAError(f"an adapter named {name!r} is already loaded (unload it first)")
+            if replace:
+                return
+            raise LoRAError("an adapter of this name is already loaded (unload it first, or load_inplace)")
         if len(self._adapters) >= self.max_loras:
             raise LoRAError(f"{self.max_loras} adapters are loaded, the --max-loras limit: unload one first")
 
