@@ -231,7 +231,15 @@ class KVCacheManager:
         ref_cnt = pool.ref_cnt
         num_revived = sum(1 for b in hit if ref_cnt[b] == 0) if hit else 0
         if num_new_blocks + num_revived > pool.num_free_blocks:
-            return None
+            # Retention never starves the pool: with no request holding blocks (nothing will free any), the
+            # retained blocks yield, oldest of the largest holder first, as many as this admission needs.
+            if self._req_blocks or not self.retention.yield_blocks(
+                num_new_blocks + num_revived - pool.num_free_blocks
+            ):
+                return None
+            num_revived = sum(1 for b in hit if ref_cnt[b] == 0) if hit else 0
+            if num_new_blocks + num_revived > pool.num_free_blocks:
+                return None
 
         if blocks is None:
             blocks = self._req_blocks[rid] = []
@@ -374,7 +382,7 @@ class KVCacheManager:
             request, plan = self.tiers.loading.pop(rid)
             blocks = self._req_blocks[rid]
             first = len(blocks) - len(plan.blocks)
-            if not plan.abandoned and arrived:
+            if not plan.abandoned and arrived and plan.epoch == self.tiers.epoch:
                 self._num_cached[rid] = first
                 self._cache_full_blocks(request, blocks, first + arrived)
                 self.tiers.loaded(rid, plan, arrived, first)
@@ -412,6 +420,8 @@ class KVCacheManager:
         """Forget every cached hash; False (nothing changes) while any block is in use, unless `force`: then
         blocks in use keep serving their requests without a hash, as after forget()."""
         self.retention.release_all()  # retained blocks hold references: a reset forgets them first
+        if self.tiers is not None:
+            self.tiers.epoch += 1
         return self.block_pool.reset(force)
 
     def forget(self, owner: Owner) -> int:
@@ -420,6 +430,8 @@ class KVCacheManager:
         and other owners' blocks are untouched."""
         n = self.block_pool.forget(owner)
         self.retention.release_unhashed()
+        if self.tiers is not None:
+            self.tiers.epoch += 1
         return n
 
     @property

@@ -107,6 +107,17 @@ class RetentionTable:
             self._release(b)
         return len(gone)
 
+    def yield_blocks(self, n: int) -> bool:
+        """Release up to `n` retained blocks (the largest holder's oldest first) for an admission that could
+        not happen otherwise; True if any was released."""
+        released = 0
+        while released < n and self._held:
+            biggest = max(self._by_ns.values(), key=len)
+            self._release(next(iter(biggest)))
+            self.num_yielded += 1
+            released += 1
+        return released > 0
+
     def release_all(self) -> None:
         for b in list(self._held):
             self._release(b)

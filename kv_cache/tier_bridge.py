@@ -44,6 +44,7 @@ class TierBridge:
         self._loaded: dict[str, tuple[int, list[str]]] = {}  # rid -> (first block, tier of each loaded)
         self._writes: list[tuple[str, TierBlock]] = []
         self.pins: Counter[int] = Counter()
+        self.epoch = 0  # resets and forgets so far: a load started before one must not bring blocks back
 
     # ---- loads -----------------------------------------------------------------------------------------
 
@@ -75,7 +76,7 @@ class TierBridge:
             )
             for i, b in enumerate(new)
         ]
-        plan = LoadPlan(request.request_id, blocks, list(computed.load))
+        plan = LoadPlan(request.request_id, blocks, list(computed.load), epoch=self.epoch)
         self.loading[request.request_id] = (request, plan)
         self._plans.append(plan)
         return True

@@ -148,3 +148,16 @@ def test_no_retention_without_caching_or_with_a_zero_cap() -> None:
     mgr.free(r)
     assert len(mgr.retention) == 0
     release(mgr)
+
+
+def test_retention_yields_when_nothing_else_could_free_a_block() -> None:
+    mgr, _ = make(num_blocks=16, fraction=0.5)
+    kept = req(mgr, "a", range(33), ttl=600)  # 8 retained: half the pool
+    admit(mgr, kept)
+    mgr.free(kept)
+    big = req(mgr, "big", range(100, 152), salt="t")  # needs 13 blocks: only 8 are free
+    computed, new = admit(mgr, big)
+    assert new is not None and len(mgr.retention) == 3  # five yielded, the rest still kept
+    mgr.free(big)
+    mgr.reset_prefix_cache()
+    release(mgr)

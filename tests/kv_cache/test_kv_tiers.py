@@ -168,3 +168,18 @@ def test_tier_blocks_carry_their_namespace_and_owner() -> None:
     assert w1.namespace == ns.keys() and w1.owner == ("tenant", "t1")
     mgr.unpin([w0.block_id, w1.block_id])
     release(mgr, req)
+
+
+def test_a_reset_during_a_load_caches_nothing_it_brings() -> None:
+    mgr = KVCacheManager(16, BS)
+    tiers = DictTiers()
+    mgr.attach_tiers(tiers)
+    tokens = list(range(9))
+    _cache_in_tier(mgr, tiers, tokens)
+    req = make_req(mgr, "r", tokens)
+    assert mgr.start_load(req, mgr.get_computed_blocks(req))
+    mgr.take_loads()
+    assert mgr.reset_prefix_cache(force=True)  # read before the reset: must not come back after it
+    assert mgr.finish_loads([("r", 2)]) == ["r"]
+    assert mgr.num_cached_blocks == 0 and mgr.num_free_blocks == 16
+    mgr.check_invariants()
