@@ -1,16 +1,19 @@
 """Compiled grammars per cache namespace, through a real `brine serve`: the same schema compiles once per
 namespace (never a cache hit for another salt, so its answer time cannot tell that another tenant sent it),
 a reset forgets it; and a grammar whose mask grows past the per-token budget fails its own request while a
-request beside it is answered and the server stays healthy."""
+request beside it is answered and the server stays healthy; a compile over --grammar-compile-timeout is a 400
+naming the field that carried the schema."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import uuid
+from collections.abc import Iterator
 
 import httpx
-from e2e_server import BrineServer
+import pytest
+from e2e_server import BrineServer, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
 MSG = [{"role": "user", "content": "Name a customer."}]
@@ -87,3 +90,28 @@ async def test_a_grammar_over_the_mask_budget_fails_alone(brine_server: BrineSer
         )
         assert again.status_code == 200
         assert json.loads(again.text)["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.fixture(scope="module")
+def quick_timeout_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrineServer]:
+    log = tmp_path_factory.mktemp("brine-grammar-timeout") / "serve.log"
+    with running_server(
+        log, ("--grammar-compile-timeout", "0.5", "--grammar-compile-workers", "1")
+    ) as server:
+        yield server
+
+
+def test_a_compile_over_the_timeout_is_a_400_naming_the_field(quick_timeout_server: BrineServer) -> None:
+    server = quick_timeout_server
+    # ~2 s of compiling on a 2-core EPYC (a 60,000-value enum), well past the 0.5 s timeout.
+    huge = {"type": "string", "enum": [f"customer-{i}" for i in range(60000)]}
+    body = {"model": server.model, "messages": MSG, "max_tokens": 4, "guided_json": huge}
+    url = f"{server.base_url}/v1/chat/completions"
+    r = httpx.post(url, json=body, headers=server.headers, timeout=300)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "guided_json" and "longer than 0.5 s to compile" in err["message"]
+    # The killed worker's replacement compiles the next schema.
+    small = {"model": server.model, "messages": MSG, "max_tokens": 4, "guided_json": {"enum": ["a", "b"]}}
+    ok = httpx.post(url, json=small, headers=server.headers, timeout=300)
+    assert ok.status_code == 200, ok.text
