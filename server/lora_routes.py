@@ -115,8 +115,7 @@ def add_lora_routes(app: FastAPI, engine: EngineClient) -> None:
         try:
             await asyncio.to_thread(manager.load, body.lora_name, body.lora_path, body.load_inplace)
         except LoRAError as exc:
-            param = "lora_name" if "name" in str(exc) else "lora_path"
-            raise bad_request(f"Cannot load the LoRA adapter: {exc}.", param) from None
+            raise bad_request(f"Cannot load the LoRA adapter: {exc}.", exc.param) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", operation_id="unloadLoraAdapter", response_class=PlainTextResponse)

@@ -80,7 +80,9 @@ class Generation(ABC):
         self.prepared = prepared
         self.id = new_id(self.id_prefix)
         self.created = now()
-        self.model = engine.model_name
+        # An adapter's name where the request ran one (as vLLM answers), else the base model's.
+        lora = prepared.namespace.lora if prepared.namespace is not None else None
+        self.model = lora[0] if lora is not None else engine.model_name
         self.n = prepared.params.n
         self.texts = TokenTexts(engine.tokenizer)
         self.cached = [0] * len(prepared.prompts)  # per prompt: the most cached tokens any output reported

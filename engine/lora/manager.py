@@ -56,9 +56,9 @@ class LoRAAdapter:
 
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
-        raise LoRAError(f"an adapter name must be 1 to {MAX_NAME_CHARS} printable characters")
+        raise LoRAError(f"an adapter name must be 1 to {MAX_NAME_CHARS} printable characters", "lora_name")
     if any(c.isspace() for c in name) or "=" in name:
-        raise LoRAError("an adapter name must not contain whitespace or '='")
+        raise LoRAError("an adapter name must not contain whitespace or '='", "lora_name")
     return name
 
 
@@ -127,7 +127,7 @@ class LoRAManager:
         `replace`: an adapter already loaded under `name` gives way to this one (running requests keep it)."""
         check_name(name)
         if name in self.reserved:
-            raise LoRAError("an adapter cannot take the base model's name")
+            raise LoRAError("an adapter cannot take the base model's name", "lora_name")
         with self._lock:
             self._check_room(name, replace)
         peft = load_peft(path, self.shapes, self.num_layers, self.max_lora_rank)
@@ -144,9 +144,13 @@ class LoRAManager:
         if name in self._adapters:
             if replace:
                 return
-            raise LoRAError("an adapter of this name is already loaded (unload it first, or load_inplace)")
+            raise LoRAError(
+                "an adapter of this name is already loaded (unload it first, or load_inplace)", "lora_name"
+            )
         if len(self._adapters) >= self.max_loras:
-            raise LoRAError(f"{self.max_loras} adapters are loaded, the --max-loras limit: unload one first")
+            raise LoRAError(
+                f"{self.max_loras} adapters are loaded, the --max-loras limit: unload one first", None
+            )
 
     def unload(self, name: str) -> bool:
         """Forgets `name` (False if it was not loaded). Requests running on it finish on it."""
@@ -171,7 +175,7 @@ class LoRAManager:
         name, fp = namespace.lora
         adapter = self.get(name)
         if adapter is None or adapter.fingerprint != fp:
-            raise LoRAError(f"the LoRA adapter {name!r} was unloaded or replaced before the request started")
+            raise LoRAError("the request's LoRA adapter was unloaded or replaced before it started", "model")
         return adapter
 
     @contextlib.contextmanager

@@ -35,7 +35,12 @@ _KEY = re.compile(
 
 
 class LoRAError(ValueError):
-    """The adapter cannot be loaded; the message says why (never echoes tensor contents)."""
+    """The adapter cannot be loaded; the message says why (never echoes tensor contents). `param`: the load
+    request's field to blame (the path's files unless said otherwise)."""
+
+    def __init__(self, message: str, param: str | None = "lora_path") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
