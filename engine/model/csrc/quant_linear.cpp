@@ -197,22 +197,30 @@ inline void unpack_f32(const uint8_t* qs, VF* w) {
     }
 }
 #else
-// The layout read element by element. 4-bit: input 2p + e of column c is nibble (p % 4) / 2 of byte
-// 64 (p / 4) + 16 (c / 4) + 8 (p % 2) + 2 (c % 4) + e (the AVX512 unpacking's order, written out).
+// The layout read with plain loops (the compiler vectorises them for its target). 4-bit: input 2p + e of
+// column 4 L + c is nibble (p % 4) / 2 of byte 64 (p / 4) + 8 (p % 2) + 16 L + 2 c + e (the AVX512 unpacking's
+// order, written out); int8: byte 32 p + 2 c + e.
 template <int WT>
 inline void unpack_f32(const uint8_t* qs, VF* w) {
-    for (int p = 0; p < kPairs; ++p)
-        for (int c = 0; c < kTile; ++c)
-            for (int e = 0; e < 2; ++e) {
-                float q;
-                if constexpr (WT == kQ4) {
-                    const uint8_t byte = qs[64 * (p / 4) + 16 * (c / 4) + 8 * (p % 2) + 2 * (c % 4) + e];
-                    q = static_cast<float>((byte >> (4 * ((p % 4) / 2))) & 0x0f);
-                } else {
-                    q = static_cast<float>(static_cast<int8_t>(qs[p * 2 * kTile + 2 * c + e]));
-                }
-                w[2 * p + e].v[c] = q;
+    for (int p = 0; p < kPairs; ++p) {
+        float* even = w[2 * p].v;
+        float* odd = w[2 * p + 1].v;
+        if constexpr (WT == kQ4) {
+            const uint8_t* base = qs + 64 * (p / 4) + 8 * (p % 2);
+            const int shift = 4 * ((p % 4) / 2);
+            for (int c = 0; c < kTile; ++c) {
+                const uint8_t* b = base + 16 * (c / 4) + 2 * (c % 4);
+                even[c] = static_cast<float>((b[0] >> shift) & 0x0f);
+                odd[c] = static_cast<float>((b[1] >> shift) & 0x0f);
             }
+        } else {
+            const int8_t* b = reinterpret_cast<const int8_t*>(qs) + p * 2 * kTile;
+            for (int c = 0; c < kTile; ++c) {
+                even[c] = static_cast<float>(b[2 * c]);
+                odd[c] = static_cast<float>(b[2 * c + 1]);
+            }
+        }
+    }
 }
 #endif
 

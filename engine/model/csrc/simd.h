@@ -104,7 +104,7 @@ inline void vstore_part(float* p, VF x, int count) {
     std::memcpy(p, t, sizeof(float) * static_cast<size_t>(count));
 }
 #else
-struct VF {
+struct alignas(64) VF {
     float v[16];
 };
 inline VF vzero() { return VF{}; }
