@@ -62,7 +62,7 @@ class EngineConfig:
     # LoRA adapters (engine.lora; ModelRunner reads them): off unless enable_lora; lora_modules are loaded at
     # start, (name, PEFT directory) each; at most max_loras loaded at once, each of rank <= max_lora_rank.
     enable_lora: bool = False
-    lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
     max_loras: int = 8
     max_lora_rank: int = 64
     stat_loggers: list[StatLogger] = field(default_factory=list)

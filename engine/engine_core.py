@@ -34,6 +34,7 @@ from metrics.stats import IterationStats, SchedulerStats
 
 if TYPE_CHECKING:
     from engine.kv_tiers import KVTiers
+    from engine.lora.manager import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config, eos_token_ids=tokenizer.eos_token_ids)
         self.max_model_len = self.scheduler.max_model_len
         self.stat_loggers = list(config.stat_loggers)
+        self._lora_requests: dict[str, int] = {}  # API requests added per LoRA adapter, since the last record
         self.outputs = OutputProcessor(self.scheduler, tokenizer.decode)
 
     @property
@@ -165,13 +167,29 @@ class EngineCore:
                     )
                 )
             self.outputs.add(request_id, prompt_token_ids, children)
+            if lora is not None:
+                self._lora_requests[lora.name] = self._lora_requests.get(lora.name, 0) + 1
         except Exception as exc:
             return [error_output(request_id, prompt_token_ids, params.n, str(exc))]
         for child in children:
             self.scheduler.add_request(child)
         return []
 
-    def _lora_of(self, namespace: CacheNamespace | None) -> object:
+    def _lora_stats(self, sched: SchedulerStats) -> None:
+        """The LoRA fields of a step's record (vLLM's lora_requests_info): adapters running and waiting."""
+        manager = getattr(self.runner, "lora", None)
+        if manager is None:
+            return
+        sched.max_lora = manager.max_loras
+        running = {r.lora.name for r in self.scheduler.running if r.lora is not None}
+        waiting = {r.lora.name for r in self.scheduler.waiting if r.lora is not None}
+        sched.running_lora_adapters, sched.waiting_lora_adapters = (
+            tuple(sorted(running)),
+            tuple(sorted(waiting)),
+        )
+        sched.lora_requests, self._lora_requests = self._lora_requests, {}
+
+    def _lora_of(self, namespace: CacheNamespace | None) -> LoRAAdapter | None:
         """The LoRA adapter the namespace names (engine.lora), None for the base model; raises if unservable."""
         manager = getattr(self.runner, "lora", None)
         if manager is not None:
@@ -308,6 +326,7 @@ class EngineCore:
             num_retention_expiries=pcs.retention_expiries,
             prefix_cache_reset=prefix_cache_reset,
         )
+        self._lora_stats(sched)
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(sched, iteration)

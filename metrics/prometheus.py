@@ -124,6 +124,21 @@ class PrometheusStatLogger:
             registry=reg,
         )
         self.prefix_cache_tier_hits = {t: tier_hits.labels(model_name, t) for t in KV_TIERS}
+        # vLLM's lora_requests_info: one series, its labels the adapters of running and waiting requests
+        # (comma-separated names), its value when they were last recorded; cleared each step, so a scrape sees
+        # the current adapters only. Requests per adapter: a counter labelled by adapter name, never by tenant.
+        self._lora_info = Gauge(
+            "brine_lora_requests_info",
+            "LoRA adapters of the running and waiting requests (labels), as of the value's Unix time.",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=reg,
+        )
+        self._lora_requests = Counter(
+            "brine_lora_requests",
+            "Requests added per LoRA adapter.",
+            ["model_name", "lora_name"],
+            registry=reg,
+        )
         self.retention_expiries = counter(
             "brine_kv_retention_expiries",
             "KV blocks retained for a retention request (prompt_cache_retention, cache_control ttl) whose TTL ran out.",
@@ -208,6 +223,17 @@ class PrometheusStatLogger:
         if child is not None:
             child.inc()
 
+    def _record_lora(self, s: SchedulerStats) -> None:
+        self._lora_info.clear()
+        self._lora_info.labels(
+            self.model_name,
+            str(s.max_lora),
+            ",".join(s.running_lora_adapters),
+            ",".join(s.waiting_lora_adapters),
+        ).set_to_current_time()
+        for name, n in s.lora_requests.items():
+            self._lora_requests.labels(self.model_name, name).inc(n)
+
     def observe_grammar_compile(self, seconds: float) -> None:
         """One grammar compilation, from the worker thread that compiled it."""
         self.grammar_compile_time.observe(seconds)
@@ -220,6 +246,8 @@ class PrometheusStatLogger:
             self.kv_cache_usage.set(s.kv_cache_usage)
             self.num_cached_blocks.set(s.num_cached_blocks)
             self.num_retained_blocks.set(s.num_retained_blocks)
+            if s.max_lora:
+                self._record_lora(s)
             self.retention_expiries.inc(s.num_retention_expiries)
             # Counter.inc(0) is legal; negative values would raise, which is the engine's bug to see.
             self.prefix_cache_queries.inc(s.prefix_cache_queries)

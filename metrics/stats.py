@@ -44,6 +44,12 @@ class SchedulerStats:
     # The prefix cache was emptied just before this record: hit rates over a recent window start afresh, since
     # hits from before the reset say nothing about the cache now.
     prefix_cache_reset: bool = False
+    # LoRA adapters (--enable-lora; max_lora 0 when off): the adapters of running and of waiting requests after
+    # this step (sorted names), and API requests added per adapter since the last record.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    lora_requests: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

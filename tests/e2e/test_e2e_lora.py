@@ -142,3 +142,30 @@ def test_operator_loads_and_unloads_at_run_time(lora_server):
     bad = {"lora_name": "bad", "lora_path": str(paths["extra"] / "nowhere")}
     r = httpx.post(f"{url}/v1/load_lora_adapter", json=bad, headers=headers, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+
+
+def test_metrics_count_requests_per_adapter(lora_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, _ = lora_server
+    client = make_client(server)
+
+    def scrape() -> tuple[float, list[dict[str, str]]]:
+        r = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10)
+        count, info = 0.0, []
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                if s.name == "brine_lora_requests_total" and s.labels["lora_name"] == "tone":
+                    count = s.value
+                    assert "tenant" not in s.labels
+                if s.name == "brine_lora_requests_info":
+                    info.append(s.labels)
+        return count, info
+
+    before, _ = scrape()
+    chat(client, "tone")
+    chat(client, server.model)
+    after, info = scrape()
+    assert after == before + 1  # the base model's request is not the adapter's
+    assert len(info) == 1 and info[0]["max_lora"] == "2"
+    assert info[0]["running_lora_adapters"] == "" and info[0]["waiting_lora_adapters"] == ""

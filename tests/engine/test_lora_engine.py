@@ -41,7 +41,7 @@ def adapters(tmp_path_factory):
 
 
 def make_engine(adapters, **kw) -> AsyncEngine:
-    mods = tuple((n, str(adapters[n])) for n in ("a", "b"))
+    mods = [(n, str(adapters[n])) for n in ("a", "b")]
     return AsyncEngine.from_config(
         EngineConfig(device="cpu", dtype="float32", num_blocks=96, enable_lora=True, lora_modules=mods, **kw)
     )
