@@ -24,8 +24,12 @@ from engine.model.quant_linear import QuantLinear
 _I64, _F64, _P = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
 
+class _Part(ctypes.Structure):
+    _fields_ = [("records", _P), ("wtype", _I64), ("n", _I64)]
+
+
 class _Linear(ctypes.Structure):
-    _fields_ = [("records", _P), ("wtype", _I64), ("bias", _P)]
+    _fields_ = [("parts", _Part * 3), ("num_parts", _I64), ("bias", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -65,7 +69,8 @@ class _Args(ctypes.Structure):
 def _linear(module: torch.nn.Module) -> _Linear:
     assert isinstance(module, QuantLinear)
     bias = module.bias.data_ptr() if module.bias is not None else None
-    return _Linear(module.records.data_ptr(), module.wtype, bias)
+    parts = [_Part(records.data_ptr(), wtype, n) for records, wtype, n in module.part_records()]
+    return _Linear((_Part * 3)(*parts), len(parts), bias)
 
 
 class NativeStack:

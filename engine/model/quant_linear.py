@@ -19,8 +19,8 @@ activations stay in the model's dtype, so a bfloat16 model still rounds its acti
 between ops as transformers does. Every CPU tier has the kernel (csrc/simd.h).
 
 Where it applies: the model came from a GGUF (the converted directory names its source), the device is the
-CPU, the dtype is bfloat16 or float32, and every part of a fused layer (q/k/v, gate/up) has the same type,
-one of the above, with whole blocks per row. Any other layer keeps the dense path.
+CPU, the dtype is bfloat16 or float32, and every part of a fused layer (q/k/v, gate/up) has one of the above
+types (not necessarily the same one), with whole blocks per row. Any other layer keeps the dense path.
 `brine serve --quantization none` (EngineConfig.quantization) turns it off: every layer is then dequantized to the model's dtype.
 """
 
@@ -193,10 +193,14 @@ def repack(raw: np.ndarray, ggml_type: int, in_features: int) -> np.ndarray:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) on GGUF blocks repacked for the kernel; a drop-in for the model's linears on [M, in]."""
+    """y = x W^T (+ b) on GGUF blocks repacked for the kernel; a drop-in for the model's linears on [M, in].
+
+    A fused layer may be made of parts of different types (a Q4_K_M file's Q4_K attn_q and attn_k beside a
+    Q6_K attn_v): `QuantLinear.of_parts` gives each part its own records, and each kernel call writes its
+    part's columns of the output (same arithmetic per column as one call: columns never mix).
+    """
 
     fn: Callable[..., int]  # the kernel (ctypes)
-    records: torch.Tensor  # [tiles, blocks, record bytes] uint8, a buffer
 
     def __init__(
         self,
@@ -209,20 +213,45 @@ class QuantLinear(nn.Module):
         super().__init__()
         if kernels.quant_linear is None:
             raise ValueError("this CPU has no quantized-linear kernel")
+        self.fn = kernels.quant_linear
+        self.in_features, self.out_features = in_features, 0
+        # (GGML type, output features) per part, in column order; part i's records are buffer records_i
+        self.parts: list[tuple[int, int]] = []
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._add(ggml_type, raw)
+
+    @classmethod
+    def of_parts(
+        cls,
+        kernels: Kernels,
+        parts: list[tuple[int, np.ndarray]],
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> QuantLinear:
+        """One layer from [(GGML type, GGUF rows)] side by side in the output (at most 3 parts)."""
+        if not 1 <= len(parts) <= 3:
+            raise ValueError(f"a quantized layer has 1 to 3 parts, got {len(parts)}")
+        layer = cls(kernels, *parts[0], in_features, bias)
+        for ggml_type, raw in parts[1:]:
+            layer._add(ggml_type, raw)
+        return layer
+
+    def _add(self, ggml_type: int, raw: np.ndarray) -> None:
         if ggml_type not in KERNEL_KIND:
             raise ValueError(f"GGML type {ggml_type} has no kernel (runs: {', '.join(TYPE_NAMES.values())})")
-        if not runs_as_stored(ggml_type, in_features):
+        if not runs_as_stored(ggml_type, self.in_features):
             per = _GGUF_BLOCK[ggml_type][0]
             raise ValueError(
-                f"in_features {in_features} is not a multiple of {per} ({TYPE_NAMES[ggml_type]})"
+                f"in_features {self.in_features} is not a multiple of {per} ({TYPE_NAMES[ggml_type]})"
             )
-        self.fn = kernels.quant_linear
-        self.out_features, self.in_features = raw.shape[0], in_features
-        self.ggml_type = ggml_type
-        self.register_buffer(
-            "records", torch.from_numpy(repack(raw, ggml_type, in_features)), persistent=False
-        )
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        records = torch.from_numpy(repack(raw, ggml_type, self.in_features))
+        self.register_buffer(f"records_{len(self.parts)}", records, persistent=False)
+        self.parts.append((ggml_type, raw.shape[0]))
+        self.out_features += raw.shape[0]
+
+    def part_records(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(records, kernel wtype, output features) per part, in column order."""
+        return [(getattr(self, f"records_{i}"), KERNEL_KIND[t], n) for i, (t, n) in enumerate(self.parts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         dtype = FLOAT32_BF16_CODES.get(x.dtype)
@@ -233,32 +262,36 @@ class QuantLinear(nn.Module):
         x = x.contiguous()
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=x.dtype)
-        rc = self.fn(
-            self.wtype,
-            self.records.data_ptr(),
-            self.out_features,
-            self.in_features,
-            dtype,
-            x.data_ptr(),
-            m,
-            self.in_features,
-            None if self.bias is None else self.bias.data_ptr(),
-            out.data_ptr(),
-            self.out_features,
-            dtype,
-            torch.get_num_threads(),
-        )
-        if rc:
-            raise RuntimeError(f"quantized linear kernel refused its arguments (code {rc})")
+        col = 0
+        for records, wtype, n in self.part_records():
+            rc = self.fn(
+                wtype,
+                records.data_ptr(),
+                n,
+                self.in_features,
+                dtype,
+                x.data_ptr(),
+                m,
+                self.in_features,
+                None if self.bias is None else self.bias[col:].data_ptr(),
+                out[:, col:].data_ptr(),
+                self.out_features,
+                dtype,
+                torch.get_num_threads(),
+            )
+            if rc:
+                raise RuntimeError(f"quantized linear kernel refused its arguments (code {rc})")
+            col += n
         return out
 
     @property
-    def kind(self) -> str:
-        return TYPE_NAMES[self.ggml_type]
+    def ggml_type(self) -> int:  # the first part's
+        return self.parts[0][0]
 
     @property
-    def wtype(self) -> int:  # the kernel's record kind
-        return KERNEL_KIND[self.ggml_type]
+    def kind(self) -> str:  # "Q4_1", or "Q4_K+Q6_K" for a layer of mixed parts
+        names = dict.fromkeys(TYPE_NAMES[t] for t, _ in self.parts)
+        return "+".join(names)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
@@ -286,22 +319,26 @@ def quantize_from_gguf(
 
     def build(names: list[str], module: nn.Linear, heads: dict[str, int]) -> QuantLinear | None:
         parts = [tensors.get(f"{name}.weight") for name in names]
-        types = {None if t is None else int(t.tensor_type) for t in parts}
-        kind = types.pop() if len(types) == 1 else None
-        if kind is None or not runs_as_stored(kind, module.in_features):
+        if any(t is None or not runs_as_stored(int(t.tensor_type), module.in_features) for t in parts):
             kept.append(names[0])
             return None
-        raws = []
+        # Neighbouring parts of one type are one part (one kernel call); a type change starts another.
+        runs: list[tuple[int, list[np.ndarray]]] = []
         for name, t in zip(names, parts, strict=True):
             assert t is not None
+            kind = int(t.tensor_type)
             raw = np.asarray(t.data).reshape(-1, row_bytes(kind, module.in_features))
             suffix = name.rsplit(".", 1)[-1]
-            raws.append(unpermute_rotary(raw, heads[suffix]) if suffix in heads else raw)
-        raw = np.concatenate(raws)
-        if raw.shape[0] != module.out_features:
+            raw = unpermute_rotary(raw, heads[suffix]) if suffix in heads else raw
+            if runs and runs[-1][0] == kind:
+                runs[-1][1].append(raw)
+            else:
+                runs.append((kind, [raw]))
+        joined = [(kind, np.concatenate(raws)) for kind, raws in runs]
+        if sum(raw.shape[0] for _, raw in joined) != module.out_features:
             kept.append(names[0])
             return None
-        return QuantLinear(kernels, kind, raw, module.in_features, module.bias)
+        return QuantLinear.of_parts(kernels, joined, module.in_features, module.bias)
 
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     for i, layer in enumerate(model.layers):

@@ -14,8 +14,16 @@ from engine.model import native_kernels
 from engine.model.invariance import isa_summary
 from engine.model.native_attention import NativeBackend
 from engine.model.native_stack import NativeStack
-from engine.model.quant_linear import GGML_Q4_1, GGML_Q8_0, QuantLinear
+from engine.model.quant_linear import (
+    GGML_Q4_0,
+    GGML_Q4_1,
+    GGML_Q5_0,
+    GGML_Q5_1,
+    GGML_Q8_0,
+    QuantLinear,
+)
 
+KINDS = (GGML_Q4_1, GGML_Q8_0, GGML_Q4_0, GGML_Q5_0, GGML_Q5_1)
 LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
@@ -24,19 +32,28 @@ def _kernels() -> native_kernels.Kernels:
 
 
 def _quantized_tiny(tiny_model, dtype: torch.dtype, kernels: native_kernels.Kernels):
-    """The tiny Llama with every linear quantized by gguf-py (Q4_1 and Q8_0 alternating) and the native
-    attention: a model the stack runs."""
+    """The tiny Llama with every linear quantized by gguf-py (the 32-weight types in turn) and the native
+    attention: a model the stack runs. Layer 0's q/k/v is of mixed parts, as a Q4_K_M file's often are
+    (Q4_0 for q and k, Q5_1 for v)."""
     from gguf import quants
 
     from engine.model.loader import load_model
 
     model = load_model(tiny_model("llama").path, torch.device("cpu"), dtype, pack=False)
+    cfg = model.cfg
     for i, layer in enumerate(model.layers):
         for j, (owner_name, attr) in enumerate(LINEARS):
             owner = getattr(layer, owner_name)
             lin = getattr(owner, attr)
-            kind = (GGML_Q4_1, GGML_Q8_0)[(i + j) % 2]
-            raw = quants.quantize(lin.weight.detach().float().numpy(), kind)
+            w = lin.weight.detach().float().numpy()
+            if i == 0 and attr == "qkv_proj":
+                qk = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+                parts = [(GGML_Q4_0, quants.quantize(w[:qk], GGML_Q4_0))]
+                parts.append((GGML_Q5_1, quants.quantize(w[qk:], GGML_Q5_1)))
+                setattr(owner, attr, QuantLinear.of_parts(kernels, parts, lin.in_features, lin.bias))
+                continue
+            kind = KINDS[(i + j) % len(KINDS)]
+            raw = quants.quantize(w, kind)
             setattr(owner, attr, QuantLinear(kernels, kind, raw, lin.in_features, lin.bias))
     model.attn_backend = NativeBackend(kernels)
     return model

@@ -89,6 +89,22 @@ def test_every_row_count_gives_each_row_its_bits_alone(kind, dtype):
         assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows; {isa_summary()}"
 
 
+def test_a_layer_of_mixed_parts_is_its_parts_side_by_side():
+    """A fused q/k/v whose parts have different types (a Q4_K_M file's Q6_K attn_v): each part's columns
+    are that part run alone, bit for bit, and the whole matches the dequantized weights."""
+    kernels = _kernels()
+    (qk, dense_qk), (v, dense_v) = _weights("Q4_1", 48, 96, seed=4), _weights("Q8_0", 24, 96, seed=5)
+    bias = torch.randn(72)
+    layer = QuantLinear.of_parts(kernels, [(GGML_Q4_1, qk), (GGML_Q8_0, v)], 96, bias)
+    assert layer.out_features == 72 and layer.kind == "Q4_1+Q8_0"
+    x = torch.randn(9, 96)
+    got = layer(x)
+    assert torch.equal(got[:, :48], QuantLinear(kernels, GGML_Q4_1, qk, 96, bias[:48])(x))
+    assert torch.equal(got[:, 48:], QuantLinear(kernels, GGML_Q8_0, v, 96, bias[48:])(x))
+    ref = x.double() @ torch.cat([dense_qk, dense_v]).double().T + bias.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_refuses_what_it_cannot_run():
     kernels = _kernels()
     raw, _ = _weights("Q4_1", 16, 64)

@@ -37,10 +37,16 @@ namespace {
 
 // Every integer is int64 and every real a double, so that ctypes' mirror (native_stack.py) has no padding to
 // get wrong.
-struct Linear {
+struct Part {
     const uint8_t* records;  // quant_linear's repacked tiles
-    int64_t wtype;           // 0 Q4_1, 1 Q8_0
-    const float* bias;       // or null
+    int64_t wtype;           // the record kind (quant_linear.cpp's header)
+    int64_t n;               // its output features: columns [sum of the earlier parts' n, + n)
+};
+
+struct Linear {  // one layer, of 1 to 3 parts side by side in the output (a fused q/k/v of mixed types)
+    Part parts[3];
+    int64_t num_parts;
+    const float* bias;  // [all parts' n] or null
 };
 
 struct Layer {
@@ -77,15 +83,24 @@ struct Args {
 
 int linear(const Args& a, const Linear& w, int64_t n, int64_t k, const void* x, void* out) {
     const int dt = static_cast<int>(a.dtype);
-    return brine_quant_linear(static_cast<int>(w.wtype), w.records, n, k, dt, x, a.tokens, k, w.bias, out, n, dt,
-                              static_cast<int>(a.threads));
+    const int64_t bytes = dt == 0 ? 4 : 2;
+    int64_t col = 0;
+    for (int64_t i = 0; i < w.num_parts; ++i) {
+        const Part& p = w.parts[i];
+        const int rc = brine_quant_linear(static_cast<int>(p.wtype), p.records, p.n, k, dt, x, a.tokens, k,
+                                          w.bias ? w.bias + col : nullptr, static_cast<char*>(out) + col * bytes,
+                                          n, dt, static_cast<int>(a.threads));
+        if (rc) return rc;
+        col += p.n;
+    }
+    return col == n ? 0 : 4;  // the parts must cover the layer's outputs
 }
 
 }  // namespace
 
 extern "C" {
 
-int brine_decoder_stack_abi() { return 1; }
+int brine_decoder_stack_abi() { return 2; }
 
 // Returns 0, or 1 + the index of the layer whose kernel refused its arguments (what it wrote up to there is
 // garbage then).
