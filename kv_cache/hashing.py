@@ -8,9 +8,10 @@ by every later block.
 
 Extra keys are tagged tuples, so that keys of different kinds can never collide with each other: the
 request's namespace (`kv_cache.namespace.CacheNamespace.keys()`: `("tenant", id)`, `("gateway", value)`,
-`("cache_salt", salt)`) on its first private block only; every other block has none (Brine serves no LoRA
-adapters and no multimodal inputs, so there are no keys of those kinds; a new kind is one more tag). The first
-private block is block 0, unless the prompt starts with a declared public prefix: then its
+`("cache_salt", salt)`, and the LoRA adapter's `("lora", name, fingerprint)`) on its first private block only;
+every other block has none (Brine takes no multimodal inputs, so there are no keys of that kind; a new kind is
+one more tag). The first private block is block 0, unless the prompt starts with a declared public prefix
+(and the request runs no LoRA adapter, whose blocks are all its own: KVCacheManager.make_hasher): then its
 `num_public_blocks` full blocks carry no namespace (every namespace shares them) and the namespace goes into the
 block right after them.
 
