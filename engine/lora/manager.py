@@ -27,6 +27,7 @@ from torch import nn
 from engine.lora.delta import TargetDelta
 from engine.lora.layer import LoRAStep, wrap_model
 from engine.lora.peft_format import TARGETS, LoRAError, TargetShape, load_peft
+from engine.model.invariance import NotInvariantError
 from engine.model.llama import LlamaForCausalLM
 from kv_cache.namespace import CacheNamespace
 
@@ -131,9 +132,15 @@ class LoRAManager:
         with self._lock:
             self._check_room(name, replace)
         peft = load_peft(path, self.shapes, self.num_layers, self.max_lora_rank)
-        deltas: dict[tuple[int, str], nn.Module] = {
-            key: TargetDelta(a, b, self.device, self.batch_invariant) for key, (a, b) in peft.weights.items()
-        }
+        try:
+            deltas: dict[tuple[int, str], nn.Module] = {
+                key: TargetDelta(a, b, self.device, self.batch_invariant)
+                for key, (a, b) in peft.weights.items()
+            }
+        except (
+            NotInvariantError
+        ) as exc:  # this CPU's kernel for the adapter's shapes: refused, not run unsafely
+            raise LoRAError(str(exc), None) from None
         with self._lock:
             self._check_room(name, replace)  # again: another load may have won the race meanwhile
             adapter = LoRAAdapter(name, peft.path, peft.fingerprint, peft.rank, next(self._ids), deltas)

@@ -62,18 +62,27 @@ class PeftAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def fingerprint(directory: Path) -> str:
+def fingerprint(config: bytes, weights: bytes) -> str:
+    """SHA-256 over both files' bytes (each with its name and length, so no split of the bytes collides)."""
     digest = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        data = (directory / name).read_bytes()
+    for name, data in ((CONFIG_FILE, config), (WEIGHTS_FILE, weights)):
         digest.update(name.encode() + len(data).to_bytes(8, "little") + data)
     return digest.hexdigest()
 
 
-def _config(directory: Path) -> dict:
+def _read(path: Path) -> bytes:
     try:
-        config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
+        return path.read_bytes()
+    except OSError as exc:
+        raise LoRAError(
+            f"cannot read {path.name} in the adapter directory: {exc.__class__.__name__}"
+        ) from None
+
+
+def _config(raw: bytes) -> dict:
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
         raise LoRAError(
             f"cannot read {CONFIG_FILE} in the adapter directory: {exc.__class__.__name__}"
         ) from None
@@ -105,20 +114,22 @@ def _config(directory: Path) -> dict:
 def load_peft(path: str, shapes: dict[str, TargetShape], num_layers: int, max_rank: int) -> PeftAdapter:
     """Reads and checks the adapter at `path` against the base model's `shapes` (by target name)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     directory = Path(path)
     if not directory.is_dir():
         raise LoRAError("the adapter path is not a directory")
     if not (directory / WEIGHTS_FILE).is_file():
         raise LoRAError(f"the adapter directory has no {WEIGHTS_FILE}")
-    config = _config(directory)
+    # Each file is read once: the fingerprint is of the very bytes the weights come from.
+    raw_config, raw_weights = _read(directory / CONFIG_FILE), _read(directory / WEIGHTS_FILE)
+    config = _config(raw_config)
     rank = int(config["r"])
     if rank > max_rank:
         raise LoRAError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
     scaling = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     try:
-        tensors = load_file(str(directory / WEIGHTS_FILE))
+        tensors = load(raw_weights)
     except (SafetensorError, OSError, ValueError) as exc:
         raise LoRAError(f"cannot read {WEIGHTS_FILE}: {exc.__class__.__name__}") from None
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -151,4 +162,4 @@ def load_peft(path: str, shapes: dict[str, TargetShape], num_layers: int, max_ra
         weights[(layer, target)] = (a64.float().contiguous(), b64.float().contiguous())
     if not weights:
         raise LoRAError("the adapter has no LoRA weights")
-    return PeftAdapter(str(directory), fingerprint(directory), rank, scaling, weights)
+    return PeftAdapter(str(directory), fingerprint(raw_config, raw_weights), rank, scaling, weights)
