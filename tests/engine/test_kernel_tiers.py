@@ -183,20 +183,31 @@ def test_the_attention_matches_a_float64_reference_and_keeps_a_rows_bits(tier, d
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_default_model_answers_as_if_alone_on_every_tier(tier, dtype, monkeypatch):
-    """The invariance property test's fixed workload (chunking, preemption, a shared prefix, seeded and
-    greedy rows) on the tier's kernels: the default model's linears, elementwise steps, attention and the
-    one-call decoder stack all run there, as on a CPU of that tier."""
-    from test_invariance_property import Reference, test_a_pool_that_forces_preemption_changes_nothing
+    """The invariance property test's check on the tier's kernels, on a smaller fixed workload (three
+    requests sharing a 32-token prefix, one seeded; 16-token steps that chunk every prompt; a pool that
+    forces preemption): the default model's linears, elementwise steps, attention and the one-call decoder
+    stack all run there, as on a CPU of that tier."""
+    import random
+
+    from test_invariance_property import Reference, Req, check
 
     from engine.model import device
 
     monkeypatch.setenv("BRINE_CPU_TIER", tier.tier)
     for cached in (native_kernels.load, device.cpu_has_native_bf16):
         cached.cache_clear()
+    rng = random.Random(11)
+    base = [rng.randrange(100, 49000) for _ in range(32)]
+    reqs = [
+        Req(tuple(base + [rng.randrange(100, 49000) for _ in range(5 + i)]), 7 if i == 1 else None)
+        for i in range(3)
+    ]
     ref = Reference()
     try:
-        test_a_pool_that_forces_preemption_changes_nothing(dtype, ref)
         assert native_kernels.load()[0] is not None and native_kernels.load()[0].tier == tier.tier
+        assert check(dtype, ref, (reqs, [0.0] * 3, 16, 5, False)) > 0, (
+            "the pool was meant to force preemption"
+        )
     finally:
         for eng in ref.engines.values():
             assert eng.num_used_blocks() == 0
