@@ -34,52 +34,67 @@ class LoRAStep:
     groups: list[tuple[LoRAAdapter, torch.Tensor]] = field(default_factory=list)  # (adapter, rows [n])
 
 
-class LoRALinear(nn.Module):
-    """forward(x [T, in]) -> [T, out]: `base(x)`, plus each adapter row's delta in its targets' columns."""
+# Each fused linear of the model and the PEFT targets whose outputs it holds side by side, in column order.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
 
-    def __init__(
-        self, base: nn.Module, layer: int, slices: tuple[tuple[str, int, int], ...], step: LoRAStep
-    ) -> None:
+
+def fused_columns(out_features: dict[str, int]) -> dict[str, dict[str, tuple[int, int]]]:
+    """{fused linear: {target: (first column, end column)}} from each target's output width."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for fused, targets in FUSED.items():
+        c0, cols = 0, {}
+        for t in targets:
+            cols[t] = (c0, c0 + out_features[t])
+            c0 += out_features[t]
+        out[fused] = cols
+    return out
+
+
+class LoRALinear(nn.Module):
+    """forward(x [T, in]) -> [T, out]: `base(x)`, plus each adapter row's delta.
+
+    An adapter's delta for this linear is one module (`adapter.deltas[(layer, name)]`) covering all the
+    linear's targets at once: the targets' A stacked, their B block-diagonal (zero where a target is absent),
+    so a fused q/k/v costs two products per adapter, not six; the zero blocks add exact zeros."""
+
+    def __init__(self, base: nn.Module, layer: int, name: str, step: LoRAStep) -> None:
         super().__init__()
         self.base = base
-        self.layer = layer
-        self.slices = slices  # (PEFT target, first column, end column) of this fused linear's output
+        self.key = (layer, name)
         self.step = step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         for adapter, rows in self.step.groups:
-            xs: torch.Tensor | None = None
-            for target, c0, c1 in self.slices:
-                delta = adapter.deltas.get((self.layer, target))
-                if delta is None:
-                    continue
-                if xs is None:
-                    xs = x.index_select(0, rows)
-                d = delta(xs)  # [n, c1 - c0] float32
-                # One rounding to the model's dtype, after adding in float32.
-                y[rows, c0:c1] = (y[rows, c0:c1].float() + d).to(y.dtype)
+            delta = adapter.deltas.get(self.key)
+            if delta is None:
+                continue
+            d = delta(x.index_select(0, rows))  # [n, out] float32
+            # One rounding to the model's dtype, after adding in float32; rows are distinct, so the copy
+            # writes each once.
+            y.index_copy_(0, rows, (y.index_select(0, rows).float() + d).to(y.dtype))
         return y
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, targets={[t for t, _, _ in self.slices]}"
+        return f"layer={self.key[0]}, {self.key[1]}"
 
 
 def wrap_model(model: LlamaForCausalLM, step: LoRAStep) -> int:
     """Wraps every decoder layer's q/k/v, o, gate/up and down linears in place; returns how many."""
-    cfg = model.cfg
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     n = 0
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        attn, mlp = layer.self_attn, layer.mlp
-        fused = (
-            (attn, "qkv_proj", (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))),
-            (attn, "o_proj", (("o_proj", 0, cfg.hidden_size),)),
-            (mlp, "gate_up_proj", (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
-            (mlp, "down_proj", (("down_proj", 0, cfg.hidden_size),)),
-        )
-        for parent, name, slices in fused:  # setattr: the attributes are typed as the base linears
-            setattr(parent, name, LoRALinear(getattr(parent, name), i, slices, step))
-        n += 4
+        for parent, name in (
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):  # setattr: the attributes are typed as the base linears
+            setattr(parent, name, LoRALinear(getattr(parent, name), i, name, step))
+            n += 1
     return n

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.lora.delta import TargetDelta
-from engine.lora.layer import LoRAStep, wrap_model
+from engine.lora.layer import LoRAStep, fused_columns, wrap_model
 from engine.lora.peft_format import TARGETS, LoRAError, TargetShape, load_peft
 from engine.model.invariance import NotInvariantError
 from engine.model.llama import LlamaForCausalLM
@@ -47,7 +47,8 @@ class LoRAAdapter:
     fingerprint: str
     rank: int
     lora_id: int  # 1, 2, ... in load order (vLLM's lora_int_id); never reused
-    deltas: dict[tuple[int, str], nn.Module]
+    deltas: dict[tuple[int, str], nn.Module]  # (layer, fused linear) -> its delta (engine.lora.layer)
+    num_targets: int = 0  # (layer, target) pairs the adapter changes
 
     @property
     def key(self) -> tuple[str, str]:
@@ -89,6 +90,7 @@ class LoRAManager:
             "down_proj": TargetShape(inter, h),
         }
         assert set(self.shapes) == set(TARGETS)
+        self.columns = fused_columns({t: s.out_features for t, s in self.shapes.items()})
         self.num_layers = cfg.num_layers
         self.device = device
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
@@ -117,7 +119,7 @@ class LoRAManager:
             except LoRAError as exc:
                 raise LoRAError(f"--lora-modules {name}: {exc}") from None
             logger.info(
-                "LoRA adapter %s: rank %d, %d targets, from %s", name, adapter.rank, len(adapter.deltas), path
+                "LoRA adapter %s: rank %d, %d targets, from %s", name, adapter.rank, adapter.num_targets, path
             )
         return manager
 
@@ -133,19 +135,36 @@ class LoRAManager:
             self._check_room(name, replace)
         peft = load_peft(path, self.shapes, self.num_layers, self.max_lora_rank)
         try:
-            deltas: dict[tuple[int, str], nn.Module] = {
-                key: TargetDelta(a, b, self.device, self.batch_invariant)
-                for key, (a, b) in peft.weights.items()
-            }
-        except (
-            NotInvariantError
-        ) as exc:  # this CPU's kernel for the adapter's shapes: refused, not run unsafely
+            deltas = self._fuse(peft.weights)
+        # This CPU's kernel for the adapter's shapes: refused, never run unsafely.
+        except NotInvariantError as exc:
             raise LoRAError(str(exc), None) from None
         with self._lock:
             self._check_room(name, replace)  # again: another load may have won the race meanwhile
-            adapter = LoRAAdapter(name, peft.path, peft.fingerprint, peft.rank, next(self._ids), deltas)
+            adapter = LoRAAdapter(
+                name, peft.path, peft.fingerprint, peft.rank, next(self._ids), deltas, len(peft.weights)
+            )
             self._adapters[name] = adapter
         return adapter
+
+    def _fuse(self, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """{(layer, fused linear): its delta}: the targets' A stacked, their B block-diagonal."""
+        deltas: dict[tuple[int, str], nn.Module] = {}
+        for layer in range(self.num_layers):
+            for fused, cols in self.columns.items():
+                present = [(t, weights[(layer, t)]) for t in cols if (layer, t) in weights]
+                if not present:
+                    continue
+                a = torch.cat([a for _, (a, _) in present])  # [targets * r, in]
+                width = max(c1 for c0, c1 in cols.values())
+                b = torch.zeros(width, a.shape[0])  # [out, targets * r]
+                r0 = 0
+                for t, (a_t, b_t) in present:
+                    c0, c1 = cols[t]
+                    b[c0:c1, r0 : r0 + a_t.shape[0]] = b_t
+                    r0 += a_t.shape[0]
+                deltas[(layer, fused)] = TargetDelta(a, b, self.device, self.batch_invariant)
+        return deltas
 
     def _check_room(self, name: str, replace: bool) -> None:
         if name in self._adapters:

@@ -20,11 +20,13 @@ TOL = dict(atol=2e-4, rtol=2e-4)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def peft_adapter(hf: torch.nn.Module, path: Path, seed: int, alpha: float = 16.0) -> torch.nn.Module:
+def peft_adapter(
+    hf: torch.nn.Module, path: Path, seed: int, alpha: float = 16.0, targets: list[str] = TARGETS
+) -> torch.nn.Module:
     """peft's LoRA over a copy of `hf`, with random A and B (peft's init leaves B zero), saved to `path`."""
     import copy
 
-    config = peft.LoraConfig(r=8, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0, bias="none")
+    config = peft.LoraConfig(r=8, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
     torch.manual_seed(seed)
     model = peft.get_peft_model(copy.deepcopy(hf), config)
     with torch.no_grad():
@@ -60,7 +62,8 @@ def test_peft_saved_the_layout_brine_reads(setup, tmp_path):
         "adapter_model.safetensors",
     ]
     _, _, _, adapters, _ = setup
-    assert len(adapters["a"].deltas) == len(TARGETS) * 2  # every target of both layers
+    assert adapters["a"].num_targets == len(TARGETS) * 2  # every target of both layers
+    assert len(adapters["a"].deltas) == 4 * 2  # one delta per fused linear (q/k/v, o, gate/up, down)
 
 
 def test_adapter_logits_match_peft(setup, paged):
@@ -87,3 +90,20 @@ def test_a_mixed_step_gives_every_row_its_solo_bits(setup, paged):
         assert torch.equal(solo, mixed)
     # Same tokens under the base and adapter a differ: the rows did run their own weights.
     assert not torch.equal(alone[0], run(paged, model, manager, [(prompts[0], adapters["a"])])[0])
+
+
+def test_some_targets_only_match_peft(tiny_model, paged, tmp_path):
+    """q and v only (peft's usual default), and up and down without gate: the absent targets' columns of a
+    fused linear get nothing."""
+    tiny = tiny_model("llama")
+    ref = peft_adapter(tiny.hf, tmp_path / "qv", 3, targets=["q_proj", "v_proj", "up_proj", "down_proj"])
+    model = load_model(tiny.path, torch.device("cpu"), torch.float32)
+    manager = LoRAManager(model, torch.device("cpu"), max_loras=1, max_lora_rank=8)
+    adapter = manager.load("qv", str(tmp_path / "qv"))
+    assert adapter.num_targets == 8 and len(adapter.deltas) == 6  # no o_proj delta in either layer
+    ids = [5, 17, 99, 3, 64, 12]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    (got,) = run(paged, model, manager, [(ids, adapter)])
+    torch.testing.assert_close(got, want, **TOL)
+    assert (want - tiny.logits(ids)).abs().max() > 100 * TOL["atol"]
