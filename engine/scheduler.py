@@ -137,7 +137,7 @@ class Scheduler:
         cut: list[int] = []  # indexes into `scheduled` of prefill chunks cut at their owner's share
         preempted = False
         if self.spec is not None:
-            self.spec.begin_step(len(self.running), self.requests)
+            self.spec.begin_step(self.running, len(self.waiting), self.requests)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
