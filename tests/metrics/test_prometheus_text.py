@@ -54,6 +54,10 @@ HELP = {
     "brine_spec_decode_num_draft_tokens": "Draft tokens verified.",
     "brine_spec_decode_num_accepted_tokens": "Draft tokens accepted (the model would have sampled them).",
     "brine_spec_decode_num_accepted_tokens_per_pos": "Drafts whose token at this position (0-based) was accepted.",
+    "brine_lora_requests": "Requests added per LoRA adapter.",
+    "brine_lora_requests_info": (
+        "LoRA adapters of the running and waiting requests (labels), as of the value's Unix time."
+    ),
 }
 
 
