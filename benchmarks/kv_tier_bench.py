@@ -9,6 +9,7 @@
   with the disk tier over without, runs alternated.
 
     .venv/bin/python -m benchmarks.kv_tier_bench [--scenario all|restart|working-set|retention|unique]
+        [--repeats 3] [--doc-tokens 1000] [--flood 12] [--unique-requests 8] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -77,14 +78,15 @@ async def restart(repeats: int) -> dict[str, Any]:
     return {"cold_ttft_s": c, "restart_ttft_s": w, "ratio": w / c, "runs": repeats}
 
 
-async def working_set(rounds: int) -> dict[str, Any]:
-    docs = [tokens(100 + i, 1000) for i in range(20)]
+async def working_set(rounds: int, doc_tokens: int) -> dict[str, Any]:
+    docs = [tokens(100 + i, doc_tokens) for i in range(20)]
+    doc_blocks = -(-(doc_tokens + 24 + 8) // 16)
     results: dict[str, Any] = {}
     for name, kw in (("none", {}), ("host", {"kv_host_memory": 1 << 30}), ("disk", {"kv_disk_dir": None})):
         with tempfile.TemporaryDirectory() as d:
             if "kv_disk_dir" in kw:
                 kw = {"kv_disk_dir": d}
-            eng = engine(num_blocks=5 * 64 + 8, **kw)  # 5 documents of 63 blocks, and a little room
+            eng = engine(num_blocks=5 * doc_blocks + 8, **kw)  # 5 documents (question and answer too)
             await ask(eng, tokens(99, 32))
             for i, doc in enumerate(docs):  # first pass: every document computed once
                 await ask(eng, doc + tokens(1000 + i, 24), ANSWER)
@@ -105,19 +107,18 @@ async def working_set(rounds: int) -> dict[str, Any]:
     return results
 
 
-async def retention() -> dict[str, Any]:
+async def retention(flood: int) -> dict[str, Any]:
     eng = engine(num_blocks=160)  # 2,560 tokens
     await ask(eng, tokens(99, 32))
     kept, plain = tokens(7, 500), tokens(8, 500)
     retained = SamplingParams(max_tokens=1, temperature=0.0, retention_s=3600)
     await ask(eng, kept, retained)
     await ask(eng, plain)
-    for i in range(12):  # a flood of unrelated prompts, 6x the pool
+    for i in range(flood):  # a flood of unrelated prompts (12: 6x the pool)
         await ask(eng, tokens(500 + i, 1200))
     _, kept_cached = await ask(eng, kept)
     _, plain_cached = await ask(eng, plain)
-    await settle(eng)
-    eng.shutdown()
+    eng.shutdown()  # (retained blocks stay in use until their TTL: no settle here)
     return {
         "retained_cached_tokens": kept_cached,
         "unretained_cached_tokens": plain_cached,
@@ -154,19 +155,22 @@ async def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--doc-tokens", type=int, default=1000, help="working-set documents' length")
+    p.add_argument("--flood", type=int, default=12, help="retention: unrelated 1,200-token prompts")
+    p.add_argument("--unique-requests", type=int, default=8)
     args = p.parse_args()
     out: dict[str, Any] = {}
     if args.scenario in ("all", "restart"):
         out["restart"] = await restart(args.repeats)
         print("restart", out["restart"], flush=True)
     if args.scenario in ("all", "working-set"):
-        out["working_set"] = await working_set(1)
+        out["working_set"] = await working_set(1, args.doc_tokens)
         print("working-set", out["working_set"], flush=True)
     if args.scenario in ("all", "retention"):
-        out["retention"] = await retention()
+        out["retention"] = await retention(args.flood)
         print("retention", out["retention"], flush=True)
     if args.scenario in ("all", "unique"):
-        out["unique"] = await unique(8, args.repeats)
+        out["unique"] = await unique(args.unique_requests, args.repeats)
         print("unique", out["unique"], flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(out, indent=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -109,40 +110,56 @@ def workloads(draw):
     longest = max(-(-(len(r.prompt) + MAX_TOKENS) // BLOCK) for r in reqs)
     blocks = draw(st.integers(longest + 1, longest + 12))  # tight: several requests compete, some preempt
     caching = draw(st.booleans())
-    return reqs, delays, budget, blocks, caching
+    # A KV tier behind the tight pool (its evicted blocks come back from it), the disk one across a restart.
+    tier = draw(st.sampled_from([None, "host", "disk"])) if caching else None
+    return reqs, delays, budget, blocks, caching, tier
 
 
 def check(dtype: str, reference: Reference, workload) -> int:
-    reqs, delays, budget, blocks, caching = workload
+    reqs, delays, budget, blocks, caching, *rest = workload
+    tier = rest[0] if rest else None
     stats = Preemptions()
-    eng = engine(
-        dtype,
-        num_blocks=blocks,
-        max_num_batched_tokens=budget,
-        max_num_seqs=4,
-        enable_prefix_caching=caching,
-        stat_loggers=[stats],
-    )
-    try:
+    with tempfile.TemporaryDirectory() as disk:
+        tier_kw = {"kv_host_memory": 64 * 2**20} if tier == "host" else {"kv_disk_dir": disk} if tier else {}
+        for run in range(2 if tier == "disk" else 1):  # the disk tier: again after a restart
+            eng = engine(
+                dtype,
+                num_blocks=blocks,
+                max_num_batched_tokens=budget,
+                max_num_seqs=4,
+                enable_prefix_caching=caching,
+                stat_loggers=[stats],
+                **tier_kw,
+            )
+            try:
 
-        async def all_at_once() -> list[Answer]:
-            return await asyncio.gather(*(answer(eng, r, d) for r, d in zip(reqs, delays, strict=True)))
+                async def all_at_once(eng: AsyncEngine = eng) -> list[Answer]:
+                    answers = await asyncio.gather(
+                        *(answer(eng, r, d) for r, d in zip(reqs, delays, strict=True))
+                    )
+                    for _ in range(500):  # a tier's writes hold their blocks until copied out
+                        if eng.num_used_blocks() == 0:
+                            break
+                        await asyncio.sleep(0.01)
+                    return answers
 
-        got = asyncio.run(all_at_once())
-        assert eng.num_used_blocks() == 0
-    finally:
-        eng.shutdown()
-    for i, (req, ans) in enumerate(zip(reqs, got, strict=True)):
-        alone = reference.get(dtype, req)
-        assert ans == alone, (
-            f"request {i} of {len(reqs)} ({len(req.prompt)} prompt tokens, seed {req.seed}) differs from its "
-            f"cold solo run: budget {budget}, {blocks} blocks, caching {caching}, {stats.count} preemptions; "
-            f"{isa_summary()}"
-        )
+                got = asyncio.run(all_at_once())
+                assert eng.num_used_blocks() == 0
+            finally:
+                eng.shutdown()
+            for i, (req, ans) in enumerate(zip(reqs, got, strict=True)):
+                alone = reference.get(dtype, req)
+                assert ans == alone, (
+                    f"request {i} of {len(reqs)} ({len(req.prompt)} prompt tokens, seed {req.seed}) differs "
+                    f"from its cold solo run: budget {budget}, {blocks} blocks, caching {caching}, tier {tier} "
+                    f"(run {run}), {stats.count} preemptions; {isa_summary()}"
+                )
     return stats.count
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# Four workloads, a disk-tier one twice (across a restart), an engine started for each run.
+@pytest.mark.timeout(1800)
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
 def test_every_request_answers_as_if_alone_and_cold(dtype, reference, workload):
