@@ -75,9 +75,11 @@ class LoRALinear(nn.Module):
             if delta is None:
                 continue
             d = delta(x.index_select(0, rows))  # [n, out] float32
-            # One rounding to the model's dtype, after adding in float32; rows are distinct, so the copy
-            # writes each once.
-            y.index_copy_(0, rows, (y.index_select(0, rows).float() + d).to(y.dtype))
+            # Rows are distinct: each element gets one add, y + d, rounded once to the model's dtype.
+            if y.dtype == torch.float32:
+                y.index_add_(0, rows, d)
+            else:
+                y.index_copy_(0, rows, (y.index_select(0, rows).float() + d).to(y.dtype))
         return y
 
     def extra_repr(self) -> str:
