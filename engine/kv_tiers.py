@@ -275,12 +275,12 @@ class KVTiers:
         pages = self.store.pages
         if self._stream is None:
             arr = pages.view(_SAME_BYTES[pages.dtype.itemsize]).numpy()
-            return [np.ascontiguousarray(arr[:, b]).tobytes() for b in ids]
+            return [arr[:, b].tobytes() for b in ids]  # one C-order copy each, straight from the pages
         with torch.cuda.stream(self._stream):
             host = pages[:, ids].to("cpu", non_blocking=True)  # [2L, n, bs, H, D]
         self._stream.synchronize()
         flat = host.view(_SAME_BYTES[host.dtype.itemsize]).numpy()
-        return [np.ascontiguousarray(flat[:, i]).tobytes() for i in range(len(ids))]
+        return [flat[:, i].tobytes() for i in range(len(ids))]
 
     def _write_pages(self, ids: list[int], payloads: list[bytes]) -> None:
         pages = self.store.pages
