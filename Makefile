@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(MAKE) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.compare
 	$(BIN)/python -m benchmarks.replicas_bench
+	$(BIN)/python -m benchmarks.kv_tier_bench --out benchmarks/results/kv-tiers-latest.json
 
 # No venv prerequisite: on a GPU image whose python3 already has CUDA torch the script uses it (see the script).
 gpu-check:
