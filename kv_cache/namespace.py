@@ -65,7 +65,12 @@ class CacheNamespace:
         # Never print the values: a namespace that reaches a log or an exception message must not name anyone.
         kinds = [
             k
-            for k, v in (("tenant", self.tenant), ("gateway", self.gateway), ("salt", self.salt), ("lora", self.lora))
+            for k, v in (
+                ("tenant", self.tenant),
+                ("gateway", self.gateway),
+                ("salt", self.salt),
+                ("lora", self.lora),
+            )
             if v
         ]
         return f"CacheNamespace({', '.join(kinds) or 'unsalted'})"
