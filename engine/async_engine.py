@@ -113,7 +113,9 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = core.max_model_len
-        self.vocab_size = core.vocab_size  # the ids a prompt may hold (the smaller of model's and tokenizer's)
+        self.vocab_size = (
+            core.vocab_size
+        )  # the ids a prompt may hold (the smaller of model's and tokenizer's)
         self.enable_prefix_caching = core.enable_prefix_caching
         self.num_blocks = core.kv.num_blocks  # KV cache size, for the startup log
         self.block_size = core.kv.block_size

@@ -114,7 +114,9 @@ class OutputProcessor:
         for i, token in enumerate(upd.new_token_ids):
             # A stop token / EOS that ended the sequence is not part of its text.
             ended_by_token = (
-                i == last and req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason in (None, token)
+                i == last
+                and req.status is RequestStatus.FINISHED_STOPPED
+                and req.stop_reason in (None, token)
             )
             if ended_by_token and not req.sampling_params.include_stop_str_in_output:
                 stream.add_token(token, skip_text=True)

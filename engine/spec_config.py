@@ -26,7 +26,9 @@ DEFAULT_LOOKUP_MIN = 2
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # K: the most drafts a request verifies in one step
-    prompt_lookup_max: int = DEFAULT_LOOKUP_MAX  # the longest suffix n-gram looked up in the request's own tokens
+    prompt_lookup_max: int = (
+        DEFAULT_LOOKUP_MAX  # the longest suffix n-gram looked up in the request's own tokens
+    )
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN  # the shortest one that may propose a draft
     disable_by_batch_size: int = 32
     max_draft_tokens_per_step: int = 128

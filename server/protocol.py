@@ -137,7 +137,9 @@ _PROMPT_CACHE_KEY_DOC = (
     "key to one replica (README: More than one replica)."
 )
 # OpenAI's routing hint on chat, completions and responses (see its description).
-PromptCacheKey = Annotated[str | None, Field(min_length=1, max_length=1024, description=_PROMPT_CACHE_KEY_DOC)]
+PromptCacheKey = Annotated[
+    str | None, Field(min_length=1, max_length=1024, description=_PROMPT_CACHE_KEY_DOC)
+]
 
 
 class _SamplingFields(_Request):

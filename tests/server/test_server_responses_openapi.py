@@ -30,7 +30,10 @@ def test_the_routes_and_their_cache_fields_are_documented(published: dict[str, A
     post = published["paths"]["/v1/responses"]["post"]
     assert post["operationId"] == "createResponse" and "422" not in post["responses"]
     request = properties(post["requestBody"]["content"]["application/json"]["schema"], published)
-    assert request["cache_salt"]["maxLength"] == 1024 and "isolat" in request["cache_salt"]["description"].lower()
+    assert (
+        request["cache_salt"]["maxLength"] == 1024
+        and "isolat" in request["cache_salt"]["description"].lower()
+    )
     key = deref(request["prompt_cache_key"], published)
     assert "never an isolation key" in str(key)
     assert {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "store"} <= set(
