@@ -82,6 +82,8 @@ def test_models_lists_the_adapter_under_its_parent(lora_server):
     assert set(model_ids(server, KEYS["open"])) == {server.model, "tone"}
     assert set(model_ids(server, KEYS["denied"])) == {server.model}
     assert make_client(server).models.retrieve("tone").id == "tone"
+    # The startup log says the layers run from Python: the native stack would skip the adapters' deltas.
+    assert "layers from Python (--enable-lora)" in server.log_path.read_text()
 
 
 def test_chat_with_the_adapter_runs_it_and_caches_apart(lora_server):
