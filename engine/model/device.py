@@ -13,6 +13,11 @@ and bfloat16 still answers the smoke prompt like float32 (same 32 greedy tokens)
 matmuls are emulated and slower than float32, hence the check. (Since then bfloat16 linears run on packed
 oneDNN weights, `cpu_linear`, which made bfloat16 decode another ~1.4x faster; float32 linears run packed too
 since batch invariance, because MKL's float32 F.linear rounds a row by its position in the product.)
+
+On the tiers below (AVX512 without BF16, AVX2, portable: native_kernels), `auto` is float32: Brine's kernels
+widen bfloat16 activations to float32 there (the quantized linears, the attention, the elementwise steps), and
+dense bfloat16 linears compute in float32 (cpu_linear), so bfloat16 saves no arithmetic, only KV memory.
+bfloat16 is still accepted there, and stays batch-invariant.
 """
 
 from __future__ import annotations

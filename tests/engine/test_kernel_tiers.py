@@ -215,3 +215,20 @@ def test_the_default_model_answers_as_if_alone_on_every_tier(tier, dtype, monkey
         monkeypatch.delenv("BRINE_CPU_TIER")
         for cached in (native_kernels.load, device.cpu_has_native_bf16):
             cached.cache_clear()
+
+
+def test_the_startup_log_names_the_tier(monkeypatch):
+    """What ModelRunner's startup line says after "kernels": the tier, and that BRINE_CPU_TIER chose it."""
+    kernels_or_skip()
+    native = native_kernels.describe()
+    assert native.split(" ")[0] in ("avx512-bf16", "avx512", "avx2+fma", "portable"), native
+    monkeypatch.setenv("BRINE_CPU_TIER", "portable")
+    native_kernels.load.cache_clear()
+    try:
+        assert native_kernels.describe() == "portable (no intrinsics) (BRINE_CPU_TIER)"
+        monkeypatch.setenv("BRINE_CPU_TIER", "sse9")
+        native_kernels.load.cache_clear()
+        assert native_kernels.describe().startswith("none (BRINE_CPU_TIER must be auto")
+    finally:
+        monkeypatch.delenv("BRINE_CPU_TIER")
+        native_kernels.load.cache_clear()
