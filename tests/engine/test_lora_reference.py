@@ -107,3 +107,21 @@ def test_some_targets_only_match_peft(tiny_model, paged, tmp_path):
     (got,) = run(paged, model, manager, [(ids, adapter)])
     torch.testing.assert_close(got, want, **TOL)
     assert (want - tiny.logits(ids)).abs().max() > 100 * TOL["atol"]
+
+
+@pytest.mark.cuda
+def test_adapter_logits_match_peft_on_cuda(tiny_model, paged, tmp_path):
+    """The same design on CUDA (the deltas as float32 matmuls on the device), against peft on the CPU."""
+    tiny = tiny_model("llama")
+    ref = peft_adapter(tiny.hf, tmp_path / "a", 1)
+    device = torch.device("cuda")
+    model = load_model(tiny.path, device, torch.float32)
+    manager = LoRAManager(model, device, max_loras=1, max_lora_rank=8)
+    adapter = manager.load("a", str(tmp_path / "a"))
+    ids = [5, 17, 99, 3, 64, 12, 7, 120]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    (got,) = run(paged, model, manager, [(ids, adapter)])
+    torch.testing.assert_close(got.cpu(), want, atol=2e-3, rtol=2e-3)  # TF32-free float32, other kernels
+    (base,) = run(paged, model, manager, [(ids, None)])
+    torch.testing.assert_close(base.cpu(), tiny.logits(ids), atol=2e-3, rtol=2e-3)
