@@ -28,12 +28,12 @@ from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from server.engine_client import EngineClient
 from server.errors import APIError
 from server.generation import OutputStream, _EngineStreamingResponse, unless_disconnected
+from server.lora_routes import select_adapter
 from server.messages_cache import breakpoint_tokens, cache_usage
 from server.messages_convert import check_messages_limits, to_chat
 from server.messages_errors import anthropic_error
 from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.messages_stream import Blocks
-from server.params import check_model
 from server.prompts import off_loop, render_chat
 from server.retention import CACHE_CONTROL_TTL_S
 from server.serving import Generation, final_reason
@@ -72,7 +72,7 @@ async def create_message(engine: EngineClient, req: MessagesRequest, request: Re
 async def count_message_tokens(engine: EngineClient, req: CountTokensRequest, request: Request) -> dict:
     """The prompt's tokens, as `/tokenize` counts a chat: no namespace needed, nothing generated."""
     check_text(req)
-    check_model(req.model, engine.model_name)
+    select_adapter(engine, request, req.model)  # the base model or an adapter this caller may use, else 404
     chat = to_chat(req, auto_tools=True).chat
     tokens = await off_loop(
         render_chat,

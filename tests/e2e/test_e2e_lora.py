@@ -171,3 +171,26 @@ def test_metrics_count_requests_per_adapter(lora_server):
     assert after == before + 1  # the base model's request is not the adapter's
     assert len(info) == 1 and info[0]["max_lora"] == "2"
     assert info[0]["running_lora_adapters"] == "" and info[0]["waiting_lora_adapters"] == ""
+
+
+def test_responses_and_messages_run_the_adapter_too(lora_server):
+    """Both routes build a chat request, checked like chat's: the adapter runs and names itself."""
+    server, _ = lora_server
+    url = server.base_url
+    for path, body in (
+        ("/v1/responses", {"model": "tone", "input": "Say hello.", "max_output_tokens": 8}),
+        ("/v1/messages", {"model": "tone", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        r = httpx.post(f"{url}{path}", json=body, headers=server.headers, timeout=120)
+        assert r.status_code == 200 and r.json()["model"] == "tone", (path, r.text[:300])
+        denied = httpx.post(
+            f"{url}{path}", json=body, headers={"Authorization": f"Bearer {KEYS['denied']}"}, timeout=120
+        )
+        assert denied.status_code == 404, (path, denied.text[:300])
+    r = httpx.post(
+        f"{url}/v1/messages/count_tokens",
+        json={"model": "tone", "messages": [{"role": "user", "content": "Hi"}]},
+        headers=server.headers,
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
