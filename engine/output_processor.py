@@ -78,15 +78,16 @@ class OutputProcessor:
             try:
                 if req.status is RequestStatus.FINISHED_ERROR:  # the scheduler failed this sequence
                     raise RuntimeError(req.error)
-                completion = self._completion(group, index, upd)  # may cut new_token_ids at a stop string
+                # Stamped before _completion, which may finish the group and take its stats at once.
                 if upd.new_token_ids:
-                    iteration.num_generation_tokens += len(upd.new_token_ids)
                     if req.first_token_time is None:
                         req.first_token_time = now
                         iteration.ttfts.append(now - req.arrival_time)
                     else:
                         iteration.inter_token_latencies.append(now - (req.last_token_time or now))
                     req.last_token_time = now
+                completion = self._completion(group, index, upd)  # may cut new_token_ids at a stop string
+                iteration.num_generation_tokens += len(upd.new_token_ids)
             except Exception as exc:  # e.g. a token id the tokenizer cannot decode: fail this request only
                 logger.exception("request %s failed while processing its output", group.request_id)
                 error = str(exc) or repr(exc)
