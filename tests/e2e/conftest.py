@@ -46,5 +46,6 @@ def no_block_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     after = wait_for_metrics(server, is_idle)
     assert is_idle(after), (
         f"blocks still held after the test: kv usage {after['brine_kv_cache_usage_perc']}, "
+        f"retained {after.get('brine_num_retained_blocks')}, "
         f"running {after['brine_num_requests_running']}, waiting {after['brine_num_requests_waiting']}"
     )

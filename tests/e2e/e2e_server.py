@@ -127,9 +127,12 @@ def wait_for_metrics(server: BrineServer, pred, timeout: float = 30.0) -> dict[s
         time.sleep(0.1)
 
 
-def is_idle(m: dict[str, float]) -> bool:
+def is_idle(m: dict[str, float], num_blocks: int = NUM_KV_BLOCKS) -> bool:
+    """No request runs or waits, and every block in use is one a retention request keeps (cache_control's
+    ttl, prompt_cache_retention: pinned on purpose for its TTL, reported as brine_num_retained_blocks)."""
+    in_use = round(m["brine_kv_cache_usage_perc"] * num_blocks)
     return (
-        m["brine_kv_cache_usage_perc"] == 0
+        in_use == m.get("brine_num_retained_blocks", 0)
         and m["brine_num_requests_running"] == 0
         and m["brine_num_requests_waiting"] == 0
     )
