@@ -32,6 +32,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN  # the shortest one that may propose a draft
     disable_by_batch_size: int = 32
     max_draft_tokens_per_step: int = 128
+    # Drafts in a step that also prefills, or while prompts wait: off, since the drafts take the prefills'
+    # token budget (16 free-text streams took more steps with them). Tests turn it on to draft under preemption.
+    draft_beside_prefill: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -53,9 +56,13 @@ class SpeculativeConfig:
         if raw.get("method", "ngram") != "ngram":
             raise ValueError(f"method {raw.get('method')!r} is not supported; only 'ngram' (prompt lookup)")
         values = dict(raw)
-        for name in sorted(known - {"method"}):
+        for name in sorted(known - {"method", "draft_beside_prefill"}):
             if name in values and (not isinstance(values[name], int) or isinstance(values[name], bool)):
                 raise ValueError(f"{name} must be an integer, got {values[name]!r}")
+        if not isinstance(values.get("draft_beside_prefill", False), bool):
+            raise ValueError(
+                f"draft_beside_prefill must be true or false, got {values['draft_beside_prefill']!r}"
+            )
         # One bound given alone moves the other's default out of its way.
         if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
             values["prompt_lookup_max"] = max(values["prompt_lookup_min"], DEFAULT_LOOKUP_MAX)

@@ -58,11 +58,8 @@ class SpecDecoder:
         prefilled: drafts would take the step's token budget from them (measured: 16 free-text streams took
         more steps with drafts than without, 0.61x), and a step holding a prefill chunk is compute-bound."""
         c = self.config
-        busy = (
-            num_waiting
-            or len(running) > c.disable_by_batch_size
-            or any(r.num_tokens - r.num_computed_tokens > 1 for r in running)
-        )
+        prefilling = num_waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in running)
+        busy = len(running) > c.disable_by_batch_size or (prefilling and not c.draft_beside_prefill)
         self._step_left = 0 if busy else c.max_draft_tokens_per_step
         if len(self._states) > len(live):  # some finished: drop their indexes
             self._states = {rid: s for rid, s in self._states.items() if live.get(rid) is s.request}

@@ -186,7 +186,10 @@ def test_accepted_and_rejected_drafts_batched_with_preemption_change_nothing(ref
         Req(tuple([rng.randrange(100, 49000) for _ in range(20)] + seg * 2), None, (("min_tokens", 6.0),)),
         Req(tuple([23] + seg * 4 + seg[:2]), 2, (("temperature", 0.3),)),
     ]
-    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    # Drafts beside prefills: a pool that preempts always has a prompt waiting, where drafts are off by default.
+    spec = SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, draft_beside_prefill=True
+    )
     drafts = check(reference, (reqs, [0.0] * 5, spec, 24, 8, True))
     assert drafts.accepted > 0, "meant to accept drafts"
     assert drafts.drafted > drafts.accepted, "meant to reject drafts too"
