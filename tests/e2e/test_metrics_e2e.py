@@ -131,4 +131,8 @@ def test_live_exposition_is_the_documented_exporter(brine_server: BrineServer) -
     body, _ = PrometheusStatLogger("any").render()
     assert live == {(f.name, f.type) for f in text_string_to_metric_families(body.decode())}
     labels = {k for f in text_string_to_metric_families(r.text) for s in f.samples for k in s.labels}
-    assert labels <= {"model_name", "finished_reason", "kind", "le"}
+    # Every label names something the operator declared or a fixed set, never a tenant or a salt: the tier that
+    # served a hit, a draft position, the operator's LoRA adapter names (vLLM's lora_requests_info labels).
+    allowed = {"model_name", "finished_reason", "kind", "le", "tier", "position"}
+    allowed |= {"lora_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert labels <= allowed
