@@ -284,7 +284,6 @@ class EngineCore:
                 0, min(sr.num_prompt_tokens - sr.num_computed_tokens, len(sr.new_token_ids))
             )
         iteration.spec_decoding = self.scheduler.take_spec_stats()
-        iteration.spec_decoding = self.scheduler.take_spec_stats()
         outputs = self.outputs.process(updates, iteration)
         self._publish_events()
         self._record_stats(iteration)
