@@ -5,8 +5,8 @@ batch) and the msgpack payload. The payload is a `KVEventBatch` as vLLM encodes 
 `[ts, events, data_parallel_rank]`, each event a map whose `"type"` names its class:
 
 - `BlockStored`: `block_hashes` (bytes, opaque to the router), `parent_block_hash` (bytes or nil),
-  `token_ids`, `block_size`, `lora_id` (nil), `medium`, `lora_name` (nil: a LoRA adapter is folded into the
-  hashes like a salt, and a private adapter's name could name its tenant),
+  `token_ids`, `block_size`, `lora_id` (nil), `medium`, `lora_name` (the operator's adapter name, nil for
+  the base model: vllm-router's LoRA-aware routing reads it; the adapter is also folded into the hashes),
   `group_idx` (0: one KV cache group), `kv_cache_spec_kind` ("full": full attention).
 - `BlockRemoved`: `block_hashes`, `medium`, `group_idx`.
 - `AllBlocksCleared`: no field.
@@ -42,7 +42,7 @@ def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
             "block_size": event.block_size,
             "lora_id": None,
             "medium": MEDIUM,
-            "lora_name": None,
+            "lora_name": event.lora_name,
             "group_idx": 0,
             "kv_cache_spec_kind": "full",
         }

@@ -317,7 +317,8 @@ class KVCacheManager:
         if self._events is not None:
             parent = hashes[start - 1] if start else None
             tokens = request.all_token_ids[start * bs : end * bs]
-            self._events.append(BlockStored(hashes[start:end], parent, tokens, bs))
+            lora = hasher.namespace.lora
+            self._events.append(BlockStored(hashes[start:end], parent, tokens, bs, lora[0] if lora else None))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's whole block table. The live list, not a copy: read it, never mutate it. It grows in

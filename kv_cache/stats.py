@@ -54,14 +54,15 @@ class BlockStored:
     `token_ids[i * block_size : (i + 1) * block_size]`; `parent_block_hash` is the hash of the block before the
     first one (None when the first one is block 0 of its sequence).
 
-    No LoRA name: Brine serves no adapters, so there is none to report (the wire format, `engine.kv_events`,
-    still sends vLLM's `lora_name` field, as null). No namespace either: a tenant or salt is folded into the
+    `lora_name`: the operator's name of the LoRA adapter the blocks were computed with (None: the base model),
+    sent in vLLM's field so that a router can route by adapter. No namespace: a tenant or salt is folded into the
     hashes and never appears in an event."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

@@ -58,3 +58,22 @@ def test_public_prefix_blocks_are_not_shared_with_an_adapter():
     b = hashes(mgr, CacheNamespace(tenant="t", lora=("b", FP1)), tokens)
     assert not set(a) & set(base) and not set(a) & set(b)
     assert hashes(mgr, CacheNamespace(tenant="u", lora=("a", FP1)), tokens)[0] != a[0]
+
+
+def test_stored_blocks_name_their_adapter_in_vllms_field_and_never_the_tenant_or_salt():
+    """vllm-router's LoRA-aware routing reads BlockStored's lora_name; the namespace's other keys stay out."""
+    from kv_fakes import FakeRequest, admit
+
+    from engine.kv_event_wire import event_to_wire
+    from kv_cache.stats import BlockStored
+
+    mgr = KVCacheManager(16, BS, enable_events=True)
+    stored = {}
+    for rid, ns in (("a", CacheNamespace(tenant="t", salt="s", lora=("tone", FP1))), ("b", None)):
+        tokens = list(range(100 if ns else 200, 108 if ns else 208))
+        req = FakeRequest(rid, tokens, mgr.make_hasher(ns, tokens))  # type: ignore[arg-type]
+        admit(mgr, req)
+        [event] = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+        stored[rid] = event_to_wire(event)
+    assert stored["a"]["lora_name"] == "tone" and stored["b"]["lora_name"] is None
+    assert "t" not in stored["a"].values() and "s" not in stored["a"].values() and FP1 not in str(stored["a"])
