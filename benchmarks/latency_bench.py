@@ -1,4 +1,5 @@
-"""Single-request latency over HTTP, Brine against llama-cpp-python on the same machine, in one run.
+"""Single-request latency over HTTP, Brine against llama-cpp-python and vLLM's CPU build on the same machine,
+in one run.
 
 What one request's step time costs (issue 12's targets), measured at the client over streamed
 `/v1/completions` against servers that are already running:
@@ -12,8 +13,8 @@ What one request's step time costs (issue 12's targets), measured at the client 
 
 Each measure is the median over `--repeats`. The measures run kind by kind, each on every server in turn
 (llama-cpp-python keeps only its previous request's prefix, so a server's warm sends must follow each other).
-Ratios are Brine over llama-cpp-python, with the issue's targets beside them; without a llama-cpp-python
-server only Brine's own figures and its warm / 5-token ratio are given.
+Ratios are Brine over llama-cpp-python and over vLLM CPU (`--vllm NAME`), with issue 29's targets beside
+them; without a peer only Brine's own figures and its warm / 5-token ratio are given.
 
     .venv/bin/python -m benchmarks.latency_bench --server brine=http://127.0.0.1:8000 \\
         --server llama=http://127.0.0.1:8001 --llama llama
@@ -40,11 +41,17 @@ import httpx
 
 from benchmarks.workloads import document
 
-# (measure, target as text, test on the ratio): the issue's targets for Brine / llama-cpp-python.
+# (measure, target as text, test on the ratio): issue 29's targets for Brine over each peer, measured in one
+# run on the same machine. llama-cpp-python is the single-stream reference; vLLM's CPU build the batching peer.
 TARGETS = {
-    "ttft_short": ("<= 2x", lambda r: r <= 2.0),
-    "ttft_warm": ("<= 3x", lambda r: r <= 3.0),
+    "ttft_short": ("<= 1.5x", lambda r: r <= 1.5),
+    "ttft_warm": ("<= 2x", lambda r: r <= 2.0),
     "decode_tok_s": (">= 1x", lambda r: r >= 1.0),
+}
+VLLM_TARGETS = {
+    "ttft_short": ("<= 1x", lambda r: r <= 1.0),
+    "ttft_warm": ("<= 0.5x", lambda r: r <= 0.5),
+    "ttft_cold_long": ("<= 0.7x", lambda r: r <= 0.7),
 }
 WARM_OVER_SHORT_TARGET = 1.5  # Brine's warm TTFT over its own 5-token TTFT
 
@@ -62,6 +69,8 @@ class LatencyResult:
 
     def median(self, measure: str) -> float | None:
         values = getattr(self, measure)
+        if values is None or isinstance(values, float):  # ttft_cold_long: one send, no median
+            return values
         return statistics.median(values) if values else None
 
 
@@ -177,16 +186,22 @@ async def measure(
     return list(results.values())
 
 
-def ratios(results: list[LatencyResult], brine: str, llama: str | None) -> dict[str, float | None]:
-    """Brine / llama-cpp-python per measure (None where either is missing), and Brine's warm / 5-token."""
+def _over(b: LatencyResult | None, peer: LatencyResult | None, measure: str) -> float | None:
+    x = b.median(measure) if b else None
+    y = peer.median(measure) if peer else None
+    return x / y if x is not None and y else None
+
+
+def ratios(
+    results: list[LatencyResult], brine: str, llama: str | None, vllm: str | None = None
+) -> dict[str, float | None]:
+    """Brine / llama-cpp-python per measure (None where either is missing), Brine / vLLM CPU per measure of
+    VLLM_TARGETS (keys `vllm_<measure>`, only with a vLLM server), and Brine's warm / 5-token."""
     by = {r.server: r for r in results}
     b = by.get(brine)
-    ll = by.get(llama) if llama else None
-    out: dict[str, float | None] = {}
-    for m in TARGETS:
-        x = b.median(m) if b else None
-        y = ll.median(m) if ll else None
-        out[m] = x / y if x is not None and y else None
+    out: dict[str, float | None] = {m: _over(b, by.get(llama) if llama else None, m) for m in TARGETS}
+    if vllm is not None:
+        out |= {f"vllm_{m}": _over(b, by.get(vllm), m) for m in VLLM_TARGETS}
     ws = (b.median("ttft_warm"), b.median("ttft_short")) if b else (None, None)
     out["brine_warm_over_short"] = ws[0] / ws[1] if ws[0] is not None and ws[1] else None
     return out
@@ -200,9 +215,26 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
-def markdown(results: list[LatencyResult], brine: str, llama: str | None) -> str:
+NAMES = {
+    "ttft_short": "5-token TTFT",
+    "ttft_warm": "warm TTFT",
+    "decode_tok_s": "decode tok/s",
+    "ttft_cold_long": "cold TTFT (~2k tokens)",
+}
+
+
+def _target_rows(rat: dict[str, float | None], targets: dict, prefix: str = "") -> list[str]:
+    rows = []
+    for m, (target, test) in targets.items():
+        r = rat.get(prefix + m)
+        verdict = "" if r is None else _verdict(test(r))
+        rows.append(f"| {NAMES[m]} | {'n/a' if r is None else f'{r:.2f}x'} | {target} | {verdict} |")
+    return rows
+
+
+def markdown(results: list[LatencyResult], brine: str, llama: str | None, vllm: str | None = None) -> str:
     lines = [
-        "## Single-request latency (issue 12's targets)",
+        "## Single-request latency (issue 29's targets)",
         "",
         "Streamed `/v1/completions`, medians; 5-token TTFT: `max_tokens=1`, a new prompt each time; warm TTFT: a "
         "~2,000-token prompt sent again right after itself; decode: one stream, `ignore_eos` (llama-cpp-python: "
@@ -220,20 +252,17 @@ def markdown(results: list[LatencyResult], brine: str, llama: str | None) -> str
             f"{_ms(r.ttft_cold_long)} | {'n/a' if dec is None else f'{dec:.1f}'} | "
             f"{r.prompt_tokens_short or 'n/a'} / {r.prompt_tokens_long or 'n/a'} |"
         )
-    rat = ratios(results, brine, llama)
-    names = {"ttft_short": "5-token TTFT", "ttft_warm": "warm TTFT", "decode_tok_s": "decode tok/s"}
+    rat = ratios(results, brine, llama, vllm)
     lines += ["", f"| {brine} / {llama or 'llama-cpp-python'} | measured | target | |", "|---|---|---|---|"]
-    for m, (target, test) in TARGETS.items():
-        r = rat[m]
-        lines.append(
-            f"| {names[m]} | {'n/a' if r is None else f'{r:.2f}x'} | {target} | "
-            f"{'' if r is None else _verdict(test(r))} |"
-        )
+    lines += _target_rows(rat, TARGETS)
     w = rat["brine_warm_over_short"]
     lines.append(
         f"| {brine}'s warm TTFT / its 5-token TTFT | {'n/a' if w is None else f'{w:.2f}x'} | "
         f"<= {WARM_OVER_SHORT_TARGET}x | {'' if w is None else _verdict(w <= WARM_OVER_SHORT_TARGET)} |"
     )
+    if vllm is not None:
+        lines += ["", f"| {brine} / {vllm} | measured | target | |", "|---|---|---|---|"]
+        lines += _target_rows(rat, VLLM_TARGETS, "vllm_")
     if llama is None:
         lines += ["", "No llama-cpp-python server ran: Brine's figures only."]
     errors = [f"- {r.server}: `{e}`" for r in results for e in r.errors[:3]]
@@ -247,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server", action="append", required=True, metavar="NAME=URL", help="repeatable")
     p.add_argument("--brine", default=None, help="which NAME is Brine (default: the first)")
     p.add_argument("--llama", default=None, help="which NAME is llama-cpp-python (default: none)")
+    p.add_argument("--vllm", default=None, help="which NAME is vLLM's CPU build (default: none)")
     p.add_argument(
         "--eos-token-ids", default="0,2", help="llama-cpp-python's logit_bias ids (default model's)"
     )
@@ -275,11 +305,15 @@ def main(argv: list[str] | None = None) -> None:
             gap_s=args.gap_ms / 1000,
         )
     )
-    print(markdown(results, brine, args.llama))
+    print(markdown(results, brine, args.llama, args.vllm))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"results": [asdict(r) for r in results], "ratios": ratios(results, brine, args.llama)}, f
+                {
+                    "results": [asdict(r) for r in results],
+                    "ratios": ratios(results, brine, args.llama, args.vllm),
+                },
+                f,
             )
 
 
