@@ -117,10 +117,9 @@ class AsyncEngine:
             core.vocab_size
         )  # the ids a prompt may hold (the smaller of model's and tokenizer's)
         self.enable_prefix_caching = core.enable_prefix_caching
-        self.num_blocks = core.kv.num_blocks  # KV cache size, for the startup log
-        self.block_size = core.kv.block_size
-        # The LoRA adapters (engine.lora.manager.LoRAManager; thread-safe), None without --enable-lora.
-        self.loras = getattr(core.runner, "lora", None)
+        self.num_blocks = core.num_blocks  # KV cache size, for the startup log
+        self.block_size = core.block_size
+        self.loras = core.loras  # thread-safe: the server lists, loads and unloads adapters through it
         self._inbox: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # callers' registry: ids in use, streams to fail on death
         self._streams_lock = threading.Lock()
@@ -304,11 +303,11 @@ class AsyncEngine:
     def set_public_prefixes(self, prefixes: list[list[int]]) -> None:
         """Declares the public prefixes (token ids) for every request added from now on."""
         with self._core_lock:
-            self._core.kv.set_public_prefixes(prefixes)
+            self._core.set_public_prefixes(prefixes)
 
     def num_used_blocks(self) -> int:
         with self._core_lock:
-            return self._core.kv.num_blocks - self._core.kv.num_free_blocks
+            return self._core.kv_manager.num_blocks - self._core.kv_manager.num_free_blocks
 
     def kv_event_sources(self) -> dict[str, dict[str, Any]]:
         """`GET /kv_event_sources`: one entry per data-parallel rank, keyed by the rank as a string ({} when

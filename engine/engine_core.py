@@ -1,8 +1,9 @@
 """The engine's synchronous core: requests in, one step at a time, `RequestOutput` deltas out.
 
 A step is schedule -> runner.execute -> scheduler.update -> output processing (`OutputProcessor`:
-detokenize, stop strings, merge a request's n sequences into one `RequestOutput`) -> stats to every stat
-logger. The core knows nothing of threads or asyncio (`AsyncEngine` drives it from one thread), so tests
+detokenize, stop strings, merge a request's n sequences into one `RequestOutput`) -> the stops it found
+applied to the scheduler (`Scheduler.finish`: blocks freed) -> stats to every stat logger. Flows go one way:
+the output processor never calls the scheduler, the engine hands its stops on. The core knows nothing of threads or asyncio (`AsyncEngine` drives it from one thread), so tests
 drive it directly with a fake runner.
 
 Failure rules: an exception while handling one request (adding it, its tokens, its text) fails that request
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine.attribution import execute_attributing
 from engine.config import EngineConfig
 from engine.errors import PromptTokenError
-from engine.output_processor import OutputProcessor, error_output
+from engine.output_processor import OutputProcessor, Processed, error_output
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -90,7 +91,7 @@ class EngineCore:
             from engine.kv_tiers import build_tiers
 
             self.tiers = build_tiers(config, runner)
-        self.kv = KVCacheManager(
+        self.kv_manager = KVCacheManager(
             runner.num_blocks,
             runner.block_size,
             enable_caching=enable_prefix_caching,
@@ -100,17 +101,21 @@ class EngineCore:
             max_retained_fraction=config.max_retained_fraction,
         )
         if self.tiers is not None:
-            self.kv.attach_tiers(self.tiers)
+            self.kv_manager.attach_tiers(self.tiers)
         self.kv_event_sink = kv_event_sink
-        self.scheduler = Scheduler(self.kv, config, eos_token_ids=tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(self.kv_manager, config, eos_token_ids=tokenizer.eos_token_ids)
         self.max_model_len = self.scheduler.max_model_len
+        self.num_blocks = runner.num_blocks  # the KV pool's size, in blocks of block_size tokens
+        self.block_size = runner.block_size
+        # The LoRA adapters (engine.lora.manager.LoRAManager; thread-safe), None without --enable-lora.
+        self.loras = getattr(runner, "lora", None)
         self.stat_loggers = list(config.stat_loggers)
         self._lora_requests: dict[str, int] = {}  # API requests added per LoRA adapter, since the last record
-        self.outputs = OutputProcessor(self.scheduler, tokenizer.decode)
+        self.outputs = OutputProcessor(tokenizer.decode)
 
     @property
     def enable_prefix_caching(self) -> bool:
-        return self.kv.enable_caching
+        return self.kv_manager.enable_caching
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """ValueError for a request that can never run. Reads only constants: safe from any thread."""
@@ -150,7 +155,7 @@ class EngineCore:
                     params, n=1, seed=None if params.seed is None else params.seed + i
                 )
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-                hasher = self.kv.make_hasher(namespace, prompt_token_ids)
+                hasher = self.kv_manager.make_hasher(namespace, prompt_token_ids)
                 state = GrammarState(grammar) if grammar is not None else None
                 children.append(
                     Request(
@@ -177,7 +182,7 @@ class EngineCore:
 
     def _lora_stats(self, sched: SchedulerStats) -> None:
         """The LoRA fields of a step's record (vLLM's lora_requests_info): adapters running and waiting."""
-        manager = getattr(self.runner, "lora", None)
+        manager = self.loras
         if manager is None:
             return
         sched.max_lora = manager.max_loras
@@ -191,16 +196,21 @@ class EngineCore:
 
     def _lora_of(self, namespace: CacheNamespace | None) -> LoRAAdapter | None:
         """The LoRA adapter the namespace names (engine.lora), None for the base model; raises if unservable."""
-        manager = getattr(self.runner, "lora", None)
-        if manager is not None:
-            return manager.resolve(namespace)
+        if self.loras is not None:
+            return self.loras.resolve(namespace)
         if namespace is not None and namespace.lora is not None:
             raise ValueError("this engine serves no LoRA adapters (--enable-lora is off)")
         return None
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Aborts every sequence of a request now (its blocks are freed). Unknown ids: nothing."""
-        return self.outputs.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        return self._apply_stops(self.outputs.finish(request_id, RequestStatus.FINISHED_ABORTED))
+
+    def _apply_stops(self, processed: Processed) -> list[RequestOutput]:
+        """Finishes in the scheduler the sequences the output processor ended (their blocks are freed)."""
+        for stop in processed.stops:
+            self.scheduler.finish(stop.request, stop.status, stop.error)
+        return processed.outputs
 
     def reset_prefix_cache(self, force: bool = False) -> bool:
         """Forgets every cached prefix; False (nothing changes) while a request holds blocks, unless `force`
@@ -209,7 +219,7 @@ class EngineCore:
         until the next request."""
         if self.tiers is not None:
             self._drain_tier_writes()
-        if not self.kv.reset_prefix_cache(force):
+        if not self.kv_manager.reset_prefix_cache(force):
             return False
         if self.tiers is not None:
             self.tiers.clear()  # the tiers forget every block too: a reset reaches the disk
@@ -220,18 +230,22 @@ class EngineCore:
     def forget_prefix_cache(self, owner: Owner) -> int:
         """Forgets `owner`'s cached private blocks (a tenant's reset, allowed while requests run); returns
         how many. Recorded to the stat loggers at once, like a reset (the cached-blocks gauge moves)."""
-        n = self.kv.forget(owner)
+        n = self.kv_manager.forget(owner)
         if self.tiers is not None:
             self.tiers.forget(owner)  # and its blocks in the tiers (files on disk deleted)
         self._publish_events()
         self._record_stats(IterationStats())
         return n
 
+    def set_public_prefixes(self, prefixes: list[list[int]]) -> None:
+        """Declares the public prefixes (token ids, `--public-prefix`) for every request added from now on."""
+        self.kv_manager.set_public_prefixes(prefixes)
+
     def has_work(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()
             or self.scheduler.has_unreported_finishes()
-            or self.kv.tier_busy
+            or self.kv_manager.tier_busy
         )
 
     # ---- KV tiers --------------------------------------------------------------------------------------
@@ -241,23 +255,25 @@ class EngineCore:
         assert self.tiers is not None
         loaded, unpin = self.tiers.poll()
         if unpin:
-            self.kv.unpin(unpin)
+            self.kv_manager.unpin(unpin)
         if loaded:
-            self.scheduler.loads_done(self.kv.finish_loads(loaded))
+            self.scheduler.loads_done(self.kv_manager.finish_loads(loaded))
 
     def _drain_tier_writes(self, timeout: float = 5.0) -> None:
         """Wait (bounded) until no block is pinned for a write, so that a reset finds them free."""
         assert self.tiers is not None
         deadline = time.monotonic() + timeout
-        self.tiers.submit_writes(self.kv.take_writes())
-        while self.kv.tiers is not None and self.kv.tiers.pins and time.monotonic() < deadline:
+        self.tiers.submit_writes(self.kv_manager.take_writes())
+        while (
+            self.kv_manager.tiers is not None and self.kv_manager.tiers.pins and time.monotonic() < deadline
+        ):
             self.tiers.wait(0.01)
             self._pump_tiers()
 
     def close(self) -> None:
         """Finish the tiers' queued writes and save the disk index (a restart finds every block)."""
         if self.tiers is not None:
-            self.tiers.submit_writes(self.kv.take_writes())
+            self.tiers.submit_writes(self.kv_manager.take_writes())
             self.tiers.close()
 
     def step(self) -> list[RequestOutput]:
@@ -265,7 +281,7 @@ class EngineCore:
             self._pump_tiers()
         sched_out = self.scheduler.schedule()
         if self.tiers is not None:
-            self.tiers.submit_loads(self.kv.take_loads())
+            self.tiers.submit_loads(self.kv_manager.take_loads())
         now = time.monotonic()
         for sr in sched_out.scheduled:
             req = self.scheduler.requests[sr.request_id]
@@ -274,7 +290,7 @@ class EngineCore:
         result = execute_attributing(self.runner, sched_out) if sched_out.scheduled else RunnerOutput({})
         if self.tiers is not None:
             # The step computed the blocks its pass cached: copy them out (off this thread).
-            self.tiers.submit_writes(self.kv.take_writes(result.errors))
+            self.tiers.submit_writes(self.kv_manager.take_writes(result.errors))
             if not sched_out.scheduled:
                 self.tiers.wait(0.002)  # only loads or writes pending: don't spin
         updates = self.scheduler.update(sched_out, result)
@@ -284,7 +300,7 @@ class EngineCore:
                 0, min(sr.num_prompt_tokens - sr.num_computed_tokens, len(sr.new_token_ids))
             )
         iteration.spec_decoding = self.scheduler.take_spec_stats()
-        outputs = self.outputs.process(updates, iteration)
+        outputs = self._apply_stops(self.outputs.process(updates, iteration))
         self._publish_events()
         self._record_stats(iteration)
         return outputs
@@ -292,7 +308,7 @@ class EngineCore:
     def _publish_events(self) -> None:
         if self.kv_event_sink is None:
             return
-        events = self.kv.take_events()
+        events = self.kv_manager.take_events()
         if events:
             try:
                 self.kv_event_sink(events)
@@ -303,15 +319,15 @@ class EngineCore:
 
     def _record_stats(self, iteration: IterationStats, prefix_cache_reset: bool = False) -> None:
         if not self.stat_loggers:
-            self.kv.make_prefix_cache_stats()  # keep the counters from growing unread
+            self.kv_manager.make_prefix_cache_stats()  # keep the counters from growing unread
             self.scheduler.take_num_preemptions()
             return
-        pcs = self.kv.make_prefix_cache_stats()
+        pcs = self.kv_manager.make_prefix_cache_stats()
         sched = SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage,
-            num_cached_blocks=self.kv.num_cached_blocks,
+            kv_cache_usage=self.kv_manager.usage,
+            num_cached_blocks=self.kv_manager.num_cached_blocks,
             prefix_cache_queries=pcs.queries,
             prefix_cache_hits=pcs.hits,
             prefix_cache_preempted_queries=pcs.preempted_queries,

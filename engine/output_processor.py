@@ -1,8 +1,13 @@
 """Turns the scheduler's token updates into the `RequestOutput` deltas a caller sees.
 
-Per request (one `add`, n sequences): detokenizes each sequence (`TextStream`), applies stop strings (which
-finish a sequence in the scheduler at once), leaves a stop token's text out, merges the n sequences' deltas
-into one `RequestOutput` per step, and records a `FinishedRequestStats` when the last sequence ends.
+Per request (one `add`, n sequences): detokenizes each sequence (`TextStream`), applies stop strings, leaves a
+stop token's text out, merges the n sequences' deltas into one `RequestOutput` per step, and records a
+`FinishedRequestStats` when the last sequence ends.
+
+It never calls the scheduler. A sequence it ends (a stop string, an abort, a failure) comes back as a `Stop`
+beside the outputs, and `EngineCore` applies the stops (`Scheduler.finish`: status set, blocks freed) before
+anything else reads the scheduler. The processor reads the status it decided from its own record of the
+group until then.
 
 Failure rule: an exception while handling one request's output fails that request only (all its sequences
 end with finish reason "error" and `RequestOutput.error` set); the others carry on.
@@ -17,10 +22,27 @@ from dataclasses import dataclass, field
 from engine.detokenizer import Decode, TextStream
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
-from engine.scheduler import RequestUpdate, Scheduler
+from engine.scheduler import RequestUpdate
 from metrics.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Stop:
+    """A sequence the output processor ended: the engine finishes it in the scheduler with this status."""
+
+    request: Request
+    status: RequestStatus
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Processed:
+    """What one call gives the engine: the callers' outputs, and the sequences to finish in the scheduler."""
+
+    outputs: list[RequestOutput]
+    stops: list[Stop]
 
 
 @dataclass(slots=True)
@@ -33,17 +55,20 @@ class _Group:
     streams: list[TextStream]
     num_cached_tokens: int = 0
     sent_prompt_logprobs: bool = False
-    finished_children: set[int] = field(default_factory=set)
+    # Sequence index -> how it ended, as this processor saw it (the scheduler learns of its own stops first,
+    # of the processor's from the `Stop`s once the call returns).
+    ended: dict[int, RequestStatus] = field(default_factory=dict)
+    error: str | None = None  # the first failure that ended the group's sequences
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, decode: Decode) -> None:
-        self.scheduler = scheduler
+    def __init__(self, decode: Decode) -> None:
         self.decode = decode
         self._groups: dict[str, _Group] = {}
         self._child_group: dict[str, tuple[_Group, int]] = {}  # child request id -> (group, index)
         # Requests finished since the last process() (aborts happen between steps): for the next record.
         self._finished_stats: list[FinishedRequestStats] = []
+        self._stops: list[Stop] = []  # decided during the current call, handed back by it
 
     def add(self, request_id: str, prompt_token_ids: list[int], children: list[Request]) -> None:
         """Registers a request's sequences; ValueError if any id is in use (nothing is registered then)."""
@@ -59,14 +84,17 @@ class OutputProcessor:
         for i, child in enumerate(children):
             self._child_group[child.request_id] = (group, i)
 
-    def finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
-        """Finishes every sequence of a request now (blocks freed): its final output. Unknown ids: []."""
+    def finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> Processed:
+        """Ends every sequence of a request now: its final output, and the stops that free its blocks.
+        Unknown ids: nothing."""
         group = self._groups.get(request_id)
         if group is None:
-            return []
-        return [self._group_output(group, self._finish_children(group, status, error))]
+            return Processed([], [])
+        output = self._group_output(group, self._finish_children(group, status, error))
+        return Processed([output], self._take_stops())
 
-    def process(self, updates: list[RequestUpdate], iteration: IterationStats) -> list[RequestOutput]:
+    def process(self, updates: list[RequestUpdate], iteration: IterationStats) -> Processed:
+        """A step's updates as outputs, plus the sequences the step's text ended (stop strings, failures)."""
         now = time.monotonic()
         touched: dict[str, tuple[_Group, dict[int, CompletionOutput]]] = {}
         for upd in updates:
@@ -105,13 +133,18 @@ class OutputProcessor:
             outputs.append(self._group_output(group, list(completions.values())))
         iteration.finished.extend(self._finished_stats)
         self._finished_stats.clear()
-        return outputs
+        return Processed(outputs, self._take_stops())
+
+    def _take_stops(self) -> list[Stop]:
+        stops, self._stops = self._stops, []
+        return stops
 
     def _completion(self, group: _Group, index: int, upd: RequestUpdate) -> CompletionOutput | None:
         req, stream = upd.request, group.streams[index]
         # Several tokens come at once from speculative decoding (engine.spec_decode); only the last one can
         # have ended the sequence as a stop token.
         last = len(upd.new_token_ids) - 1
+        status = req.status
         for i, token in enumerate(upd.new_token_ids):
             # A stop token / EOS that ended the sequence is not part of its text.
             ended_by_token = (
@@ -130,13 +163,14 @@ class OutputProcessor:
                 del upd.new_token_ids[i + 1 :]
                 if upd.logprobs is not None:
                     del upd.logprobs[i + 1 :]
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, req.error)
+                status = RequestStatus.FINISHED_STOPPED
+                self._stops.append(Stop(req, status, req.error))
                 break
         if req.num_cached_tokens >= 0 and index == 0:
             group.num_cached_tokens = req.num_cached_tokens
-        finished = req.is_finished
+        finished = status.is_finished
         if finished:
-            self._mark_child_finished(group, index)
+            self._mark_child_finished(group, index, status)
         text = stream.take_delta(finished)
         if not (text or upd.new_token_ids or finished):
             return None
@@ -145,13 +179,13 @@ class OutputProcessor:
             text=text,
             token_ids=list(upd.new_token_ids),
             logprobs=upd.logprobs if req.sampling_params.logprobs is not None else None,
-            finish_reason=req.status.finish_reason if finished else None,
+            finish_reason=status.finish_reason if finished else None,
             stop_reason=req.stop_reason if finished else None,
             num_output_tokens=req.num_output_tokens,
         )
 
     def _group_output(self, group: _Group, completions: list[CompletionOutput]) -> RequestOutput:
-        finished = len(group.finished_children) == len(group.children)
+        finished = len(group.ended) == len(group.children)
         prompt_logprobs: list[TokenLogprob | None] | None = None
         if not group.sent_prompt_logprobs and group.children[0].prompt_logprobs is not None:
             prompt_logprobs = group.children[0].prompt_logprobs
@@ -165,19 +199,21 @@ class OutputProcessor:
             num_cached_tokens=max(0, group.num_cached_tokens),
             finished=finished,
             prompt_logprobs=prompt_logprobs,
-            error=next((c.error for c in group.children if c.error), None),
+            error=group.error or next((c.error for c in group.children if c.error), None),
         )
 
     def _finish_children(
         self, group: _Group, status: RequestStatus, error: str | None = None
     ) -> list[CompletionOutput]:
-        """Finishes every unfinished sequence of a group now (blocks freed); returns their last deltas."""
+        """Ends every unfinished sequence of a group now (a `Stop` each); returns their last deltas."""
+        if error is not None and group.error is None:
+            group.error = error
         completions = []
         for i, child in enumerate(group.children):
-            if i in group.finished_children:
+            if i in group.ended:
                 continue
-            self.scheduler.finish(child, status, error)
-            self._mark_child_finished(group, i)
+            self._stops.append(Stop(child, status, error))
+            self._mark_child_finished(group, i, status)
             completions.append(
                 CompletionOutput(
                     index=child.index,
@@ -190,12 +226,12 @@ class OutputProcessor:
             )
         return completions
 
-    def _mark_child_finished(self, group: _Group, index: int) -> None:
-        if index in group.finished_children:
+    def _mark_child_finished(self, group: _Group, index: int, status: RequestStatus) -> None:
+        if index in group.ended:
             return
-        group.finished_children.add(index)
+        group.ended[index] = status
         self._child_group.pop(group.children[index].request_id, None)
-        if len(group.finished_children) == len(group.children):
+        if len(group.ended) == len(group.children):
             self._finished_stats.append(_finished_stats(group))
 
 
@@ -207,7 +243,7 @@ def _finished_stats(group: _Group) -> FinishedRequestStats:
     first = children[0]
     first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
     scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
-    reason = first.status.finish_reason
+    reason = group.ended[0].finish_reason
     return FinishedRequestStats(
         finish_reason=reason.value if reason is not None else "abort",
         num_prompt_tokens=first.num_prompt_tokens,

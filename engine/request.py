@@ -2,8 +2,8 @@
 
 A `Request` satisfies `kv_cache.CacheRequest`: the KV cache manager reads `all_token_ids`,
 `num_computed_tokens`, `block_hashes`, `skip_reading_prefix_cache` and `num_preemptions` from it. The
-scheduler is the only writer of `num_computed_tokens` and `status` (the output processor finishes a request
-through `Scheduler.finish`); `append_output_token` is the only way tokens grow, so `block_hashes` never falls
+scheduler is the only writer of `num_computed_tokens` and `status` (a sequence the output processor ends, the
+engine finishes through `Scheduler.finish`); `append_output_token` is the only way tokens grow, so `block_hashes` never falls
 behind the tokens.
 
 With `n > 1` the engine makes n `Request`s (one per sequence); each is scheduled on its own and they meet

@@ -56,7 +56,7 @@ class RequestUpdate:
 class Scheduler:
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv_manager: KVCacheManager,
         config: EngineConfig,
         *,
         eos_token_ids: Iterable[int] = (),
@@ -72,14 +72,14 @@ class Scheduler:
             )
         if config.max_model_len is None:
             raise ValueError("the scheduler needs max_model_len (EngineCore fills in the model's)")
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         # A sequence of N tokens needs N - 1 KV slots to sample its next token; past the whole pool it can
         # never run again, so it stops there ("length") instead of preempting itself forever.
-        self.kv_capacity = kv.num_blocks * kv.block_size
+        self.kv_capacity = kv_manager.num_blocks * kv_manager.block_size
         self.waiting = FairQueue()
         self.running: list[Request] = []  # admission order: the last one is the newest
         # Requests whose prefix hit is being loaded from a KV tier (kv_cache.tier_bridge): out of both queues
@@ -114,7 +114,7 @@ class Scheduler:
         if num_prompt_tokens > self.kv_capacity:
             raise ValueError(
                 f"The prompt ({num_prompt_tokens} tokens) can never fit the KV cache, which holds "
-                f"{self.kv_capacity} tokens ({self.kv.num_blocks} blocks of {self.kv.block_size})."
+                f"{self.kv_capacity} tokens ({self.kv_manager.num_blocks} blocks of {self.kv_manager.block_size})."
             )
 
     def add_request(self, request: Request) -> None:
@@ -145,7 +145,7 @@ class Scheduler:
             # A decode (one token) is never cut: it is cheap, and cutting it would stall the sequence.
             num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
             drafts = self.spec.propose(req, budget - 1) if self.spec is not None and remaining == 1 else []
-            while self.kv.allocate_slots(req, num_new + len(drafts)) is None:
+            while self.kv_manager.allocate_slots(req, num_new + len(drafts)) is None:
                 if drafts:  # drafts never preempt anyone: without them first
                     drafts = []
                     continue
@@ -165,12 +165,12 @@ class Scheduler:
             i += 1
         # Requests just preempted for room must not be overtaken by newer ones in the same step.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            if self.kv.num_free_blocks == 0:
+            if self.kv_manager.num_free_blocks == 0:
                 break  # every admission needs a new block: skip a lookup that cannot succeed
             req = self._next_to_admit(seq_share)
-            hit = self.kv.get_computed_blocks(req)
+            hit = self.kv_manager.get_computed_blocks(req)
             if hit.load:  # a tier holds more of its prefix: load it (only this request waits for it)
-                if not self.kv.start_load(req, hit):
+                if not self.kv_manager.start_load(req, hit):
                     break
                 self.waiting.pop(req)
                 req.status = RequestStatus.LOADING
@@ -178,7 +178,7 @@ class Scheduler:
                 continue
             remaining = req.num_tokens - hit.num_tokens
             num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
-            if self.kv.allocate_slots(req, num_new, hit) is None:
+            if self.kv_manager.allocate_slots(req, num_new, hit) is None:
                 break  # the head waits for blocks rather than letting smaller requests jump ahead
             self.waiting.pop(req)
             req.num_computed_tokens = hit.num_tokens
@@ -194,7 +194,7 @@ class Scheduler:
             budget -= num_new
         budget = self._top_up(scheduled, cut, budget)
         self._finished_since_schedule = False
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, self.kv.end_pass())
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, self.kv_manager.end_pass())
 
     # ---- fairness --------------------------------------------------------------------------------------
 
@@ -215,12 +215,12 @@ class Scheduler:
         starved = [head for owner, head in self.waiting.heads() if self._num_running[owner] < seq_share]
         if not starved:
             return
-        bs = self.kv.block_size
+        bs = self.kv_manager.block_size
         # Blocks the starved heads' first chunks need at most (a prefix hit only lowers it), plus one per
         # running sequence for its next token.
         blocks = sum(-(-min(r.num_tokens, token_share) // bs) for r in starved) + len(self.running)
         while (
-            len(self.running) + len(starved) > self.max_num_seqs or blocks > self.kv.num_free_blocks
+            len(self.running) + len(starved) > self.max_num_seqs or blocks > self.kv_manager.num_free_blocks
         ) and self.running:
             owner, count = max(self._num_running.items(), key=lambda kv: kv[1])
             if count <= seq_share:
@@ -245,7 +245,7 @@ class Scheduler:
             sr = scheduled[k]
             req = self.requests[sr.request_id]
             extra = min(req.num_tokens - req.num_computed_tokens - len(sr.new_token_ids), budget)
-            if extra <= 0 or self.kv.allocate_slots(req, len(sr.new_token_ids) + extra) is None:
+            if extra <= 0 or self.kv_manager.allocate_slots(req, len(sr.new_token_ids) + extra) is None:
                 continue
             scheduled[k] = self._scheduled(req, len(sr.new_token_ids) + extra)
             budget -= extra
@@ -348,11 +348,11 @@ class Scheduler:
                     # A plain decode step caches every block its computed tokens fill when it schedules them;
                     # accepted drafts fill blocks in between: cache those too, so the same blocks stay cached
                     # (a no-op without drafts).
-                    self.kv.allocate_slots(req, 0)
-                self.kv.free(req)
+                    self.kv_manager.allocate_slots(req, 0)
+                self.kv_manager.free(req)
             elif req.status is RequestStatus.LOADING:  # its blocks go when the load is over
                 del self.loading[request_id]
-                self.kv.free(req)
+                self.kv_manager.free(req)
             else:  # waiting or preempted: holds no blocks
                 self.waiting.remove(req)
             req.status = status
@@ -380,7 +380,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Frees a running request's blocks (the caller took it out of `running`) and requeues it."""
         self._drop_running(req)
-        self.kv.free(req)
+        self.kv_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -399,7 +399,7 @@ class Scheduler:
             request_id=req.request_id,
             new_token_ids=req.all_token_ids[start : start + num_new] + (drafts or []),
             num_computed_tokens=start,
-            block_ids=self.kv.get_block_ids(req.request_id),
+            block_ids=self.kv_manager.get_block_ids(req.request_id),
             sample=start + num_new == req.num_tokens,
             sampling_params=req.sampling_params,
             all_token_ids=req.all_token_ids,

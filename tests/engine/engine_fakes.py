@@ -137,10 +137,10 @@ def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> list[Request
         if not core.has_work():
             break
         outputs += core.step()
-        core.kv.check_invariants()
+        core.kv_manager.check_invariants()
     else:
         raise AssertionError("the engine did not go idle")
-    assert core.kv.num_free_blocks == core.kv.num_blocks, "blocks leaked"
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks, "blocks leaked"
     return outputs
 
 

@@ -117,7 +117,7 @@ def test_an_exception_in_one_requests_detokenization_fails_only_that_request():
     outputs = []
     for _ in range(3):
         outputs += core.step()
-        core.kv.check_invariants()
+        core.kv_manager.check_invariants()
     bad = [o for o in outputs if o.request_id == "bad"]
     assert bad[-1].finished and "255" in bad[-1].error
     assert sorted((c.index, c.finish_reason) for c in bad[-1].outputs) == [

@@ -26,8 +26,8 @@ def test_a_forced_reset_mid_run_changes_no_output() -> None:
         outputs += core.step()
     assert not core.reset_prefix_cache()  # refused while blocks are held
     assert core.reset_prefix_cache(force=True)
-    core.kv.check_invariants()
-    assert core.kv.num_cached_blocks == 0
+    core.kv_manager.check_invariants()
+    assert core.kv_manager.num_cached_blocks == 0
     outputs += run_to_completion(core)
     assert {rid: collect(outputs, rid) for rid in prompts} == alone
-    assert core.kv.num_free_blocks == core.kv.num_blocks
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks

@@ -57,8 +57,8 @@ def step_every_second(core: EngineCore, clock: FakeClock) -> None:
     while core.has_work():
         clock.now += 1.0
         core.step()
-        core.kv.check_invariants()
-    assert core.kv.num_free_blocks == core.kv.num_blocks
+        core.kv_manager.check_invariants()
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
 
 
 def finished_stats(log: RecordingLogger) -> list[FinishedRequestStats]:
@@ -133,9 +133,9 @@ def test_core_reset_prefix_cache_records_the_emptied_cache_at_once() -> None:
     core = make_core(FakeRunner(num_blocks=64, block_size=4), stat_loggers=[prom])
     core.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=2))
     run_to_completion(core)
-    assert metric(prom, "brine_num_cached_blocks") == core.kv.num_cached_blocks > 0
+    assert metric(prom, "brine_num_cached_blocks") == core.kv_manager.num_cached_blocks > 0
     assert core.reset_prefix_cache()
-    assert core.kv.num_cached_blocks == 0
+    assert core.kv_manager.num_cached_blocks == 0
     assert metric(prom, "brine_num_cached_blocks") == 0  # no step needed
 
 
@@ -146,7 +146,7 @@ def test_a_refused_reset_changes_nothing() -> None:
     core.step()  # "a" now holds blocks
     records = len(rec.records)
     assert not core.reset_prefix_cache()
-    assert len(rec.records) == records and core.kv.num_cached_blocks > 0
+    assert len(rec.records) == records and core.kv_manager.num_cached_blocks > 0
     run_to_completion(core)
     assert not any(s.prefix_cache_reset for s, _ in rec.records)  # steps are not resets
     assert core.reset_prefix_cache()

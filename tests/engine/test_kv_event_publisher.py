@@ -136,7 +136,7 @@ def test_engine_core_hands_each_steps_events_to_the_sink() -> None:
 
 def test_engine_core_without_sink_records_no_events() -> None:
     core = make_core()
-    assert core.kv_event_sink is None and core.kv.take_events() == []
+    assert core.kv_event_sink is None and core.kv_manager.take_events() == []
 
 
 class ManualPublisher(KVEventPublisher):

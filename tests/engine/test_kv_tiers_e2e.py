@@ -92,7 +92,7 @@ async def test_host_tier_serves_an_evicted_prefix_with_the_same_tokens_and_logpr
         assert warm[2] >= 304 and hits.by_tier.get("host", 0) >= 304
         assert warm[:2] == cold[:2]  # same tokens, same logprobs, bit for bit
         await settle(engine)
-        engine._core.kv.check_invariants()
+        engine._core.kv_manager.check_invariants()
     finally:
         engine.shutdown()
 

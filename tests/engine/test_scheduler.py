@@ -105,7 +105,7 @@ def test_shared_prefix_in_one_step_is_computed_once():
     core.add_request("a", shared + [50, 51], greedy(2))
     core.add_request("b", shared + [60], greedy(2))
     core.step()
-    core.kv.check_invariants()
+    core.kv_manager.check_invariants()
     first = {s.request_id: (s.num_computed_tokens, len(s.new_token_ids)) for s in runner.steps[0].scheduled}
     assert first == {"a": (0, 14), "b": (12, 1)}
     assert runner.steps[0].num_batched_tokens == 15
@@ -151,10 +151,10 @@ def test_abort_frees_blocks():
     core.add_request("w", prompt(10, start=40), greedy(5))
     for _ in range(3):
         core.step()
-    assert core.kv.num_free_blocks < core.kv.num_blocks
+    assert core.kv_manager.num_free_blocks < core.kv_manager.num_blocks
     (out,) = core.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason is FinishReason.ABORT
-    core.kv.check_invariants()
+    core.kv_manager.check_invariants()
     assert core.abort_request("a") == []  # aborting twice is harmless
     run_to_completion(core)
 

@@ -27,7 +27,7 @@ def add(sched: Scheduler, rid: str, n: int, **params) -> Request:
     req = Request(
         rid, [10 + i for i in range(n)], SamplingParams(temperature=0, **{"max_tokens": 8, **params})
     )
-    req.hasher = sched.kv.make_hasher()
+    req.hasher = sched.kv_manager.make_hasher()
     if req.hasher is not None:
         req.hasher.extend(req.block_hashes, req.all_token_ids)
     sched.add_request(req)
@@ -89,10 +89,10 @@ def test_the_last_free_block_is_still_handed_out() -> None:
     sched = make(num_blocks=2, block_size=4)
     add(sched, "a", 3)  # one block; its next decode (token 4) still fits in it
     step(sched)
-    assert sched.kv.num_free_blocks == 1
+    assert sched.kv_manager.num_free_blocks == 1
     add(sched, "b", 3)
     out, _ = step(sched)
-    assert "b" in [s.request_id for s in out.scheduled] and sched.kv.num_free_blocks == 0
+    assert "b" in [s.request_id for s in out.scheduled] and sched.kv_manager.num_free_blocks == 0
 
 
 def test_update_skips_a_request_aborted_during_the_step_and_goes_on() -> None:

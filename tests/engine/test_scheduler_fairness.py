@@ -21,7 +21,7 @@ def prompt(n: int, start: int = 1) -> list[int]:
 
 def step(core: EngineCore) -> list[RequestOutput]:
     outputs = core.step()
-    core.kv.check_invariants()
+    core.kv_manager.check_invariants()
     core.scheduler.check_invariants()
     return outputs
 
@@ -51,7 +51,7 @@ def test_a_fan_out_waiting_ahead_does_not_delay_another_requests_first_token():
     # FCFS would admit 64 fan-out sequences first (16 rounds of 4, 30 tokens each) before the victim.
     assert steps_until_first_token(core, "victim") <= 2
     run_to_completion(core)
-    assert not core.scheduler.requests and core.kv.num_free_blocks == core.kv.num_blocks
+    assert not core.scheduler.requests and core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
 
 
 def test_a_fan_out_holding_every_slot_gives_one_up_to_a_newcomer():
@@ -78,7 +78,7 @@ def test_kv_pressure_from_a_fan_out_is_relieved_for_a_newcomer():
     core.add_request("victim", prompt(12, start=90), greedy(3))
     assert steps_until_first_token(core, "victim") <= 2
     run_to_completion(core)
-    assert core.kv.num_free_blocks == core.kv.num_blocks
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
 
 
 def test_a_long_prompt_does_not_hold_a_short_ones_first_token_behind_its_whole_prefill():

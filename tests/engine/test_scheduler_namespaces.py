@@ -26,7 +26,7 @@ def prompt(n: int, start: int) -> list[int]:
 def steps_until_first_token(core: EngineCore, request_id: str, seen: list[RequestOutput]) -> int:
     for n in range(1, 1001):
         outputs = core.step()
-        core.kv.check_invariants()
+        core.kv_manager.check_invariants()
         core.scheduler.check_invariants()
         seen += outputs
         if any(o.request_id == request_id and any(c.token_ids for c in o.outputs) for o in outputs):
@@ -68,7 +68,7 @@ def test_another_salt_is_scheduled_promptly_beside_a_flood_under_one_salt() -> N
     assert owners.count(fair_share_key(CacheNamespace(salt="a"), "")) <= 15
     seen += run_to_completion(core)
     assert collect(seen, "victim")  # it finished, and every block came back
-    assert core.kv.num_free_blocks == core.kv.num_blocks
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
 
 
 def test_a_tenant_is_one_share_whatever_salts_it_rotates() -> None:
@@ -83,7 +83,7 @@ def test_a_tenant_is_one_share_whatever_salts_it_rotates() -> None:
     core.add_request("victim", prompt(20, start=200), params(4), namespace=CacheNamespace(tenant="B"))
     assert steps_until_first_token(core, "victim", seen) <= 3 * idle_steps(CacheNamespace(tenant="B"))
     run_to_completion(core)
-    assert core.kv.num_free_blocks == core.kv.num_blocks
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
 
 
 def test_the_fair_share_key_is_the_namespace_then_the_api_request() -> None:

@@ -27,12 +27,12 @@ def prompt(n: int, start: int = 1) -> list[int]:
 
 def step_checked(core: EngineCore) -> list[RequestOutput]:
     outputs = core.step()
-    core.kv.check_invariants()
+    core.kv_manager.check_invariants()
     return outputs
 
 
 def held_blocks(core: EngineCore) -> int:
-    return core.kv.num_blocks - core.kv.num_free_blocks
+    return core.kv_manager.num_blocks - core.kv_manager.num_free_blocks
 
 
 def reference_tokens(requests: dict[str, tuple[list[int], SamplingParams]], **core_kw) -> dict[str, dict]:
@@ -67,7 +67,7 @@ def test_a_step_that_preempts_admits_no_waiting_request_and_the_victim_comes_bac
     assert [r.request_id for r in sched.waiting] == ["new", "late"]
     new = sched.requests["new"]
     assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
-    assert core.kv.get_block_ids("new") == [] and held_blocks(core) == 4
+    assert core.kv_manager.get_block_ids("new") == [] and held_blocks(core) == 4
     # The victim is admitted again before "late", and resumes from its own still-cached blocks.
     num_steps = len(runner.steps)
     while not {"new", "late"} & {s.request_id for s in runner.steps[-1].scheduled}:
@@ -93,8 +93,8 @@ def test_a_victim_that_could_rehit_for_free_is_still_not_readmitted_in_the_step_
         outputs += step_checked(core)
     sched = core.scheduler
     (victim,) = sched.waiting
-    assert victim.status is RequestStatus.PREEMPTED and core.kv.get_block_ids(victim.request_id) == []
-    assert core.kv.get_computed_blocks(victim).num_tokens == 8  # admissible: its prefix is all held
+    assert victim.status is RequestStatus.PREEMPTED and core.kv_manager.get_block_ids(victim.request_id) == []
+    assert core.kv_manager.get_computed_blocks(victim).num_tokens == 8  # admissible: its prefix is all held
     out = runner.steps[-1]
     assert {s.request_id for s in out.scheduled} == {r.request_id for r in sched.running}
     assert victim.request_id not in {s.request_id for s in out.scheduled}
@@ -157,7 +157,7 @@ def test_the_newest_running_request_preempts_itself_when_an_older_one_took_the_l
     assert [s.request_id for s in runner.steps[-1].scheduled] == ["a"]
     sched = core.scheduler
     assert [r.request_id for r in sched.running] == ["a"] and [r.request_id for r in sched.waiting] == ["b"]
-    assert sched.requests["b"].status is RequestStatus.PREEMPTED and core.kv.get_block_ids("b") == []
+    assert sched.requests["b"].status is RequestStatus.PREEMPTED and core.kv_manager.get_block_ids("b") == []
     assert held_blocks(core) == 3
     outputs += run_to_completion(core)
     assert {rid: collect(outputs, rid) for rid in requests} == reference_tokens(requests)
@@ -171,7 +171,7 @@ def test_n_sequences_under_a_tiny_pool_are_preempted_recovered_and_all_freed():
     core.add_request("p", *requests["p"])
     outputs = step_checked(core)
     # The three sequences share the prompt's two full blocks; each has its own block for the 9th token.
-    tables = [list(core.kv.get_block_ids(f"{i}_p")) for i in range(3)]
+    tables = [list(core.kv_manager.get_block_ids(f"{i}_p")) for i in range(3)]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]
     assert len({t[2] for t in tables}) == 3 and held_blocks(core) == 5
     outputs += run_to_completion(core)
@@ -198,7 +198,7 @@ def test_abort_of_a_preempted_request_frees_nothing_twice_and_ends_its_stream():
     preempt_new(core, log)
     held = held_blocks(core)
     (out,) = core.abort_request("new")
-    core.kv.check_invariants()
+    core.kv_manager.check_invariants()
     assert out.finished and out.outputs[0].finish_reason is FinishReason.ABORT
     assert out.outputs[0].num_output_tokens > 0  # it had generated before it was preempted
     assert held_blocks(core) == held and "new" not in core.scheduler.requests
@@ -231,7 +231,7 @@ def test_abort_of_n_sequences_some_preempted_some_running_frees_every_block():
     statuses = {core.scheduler.requests[f"{i}_p"].status for i in range(3)}
     assert statuses == {RequestStatus.RUNNING, RequestStatus.PREEMPTED}
     (out,) = core.abort_request("p")
-    core.kv.check_invariants()
+    core.kv_manager.check_invariants()
     assert out.finished and sorted(c.index for c in out.outputs) == [0, 1, 2]
     assert all(c.finish_reason is FinishReason.ABORT for c in out.outputs)
     assert held_blocks(core) == 0 and not core.scheduler.requests
@@ -275,7 +275,7 @@ def test_random_workloads_on_a_tight_pool_reproduce_the_roomy_outputs_despite_ab
         outputs += step_checked(core)
         if step in aborts:
             outputs += core.abort_request(aborts[step])
-            core.kv.check_invariants()
+            core.kv_manager.check_invariants()
     assert held_blocks(core) == 0
     assert sorted(o.request_id for o in outputs if o.finished) == sorted(requests)  # each ends exactly once
     expected = reference_tokens(requests)

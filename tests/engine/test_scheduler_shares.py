@@ -24,7 +24,7 @@ def add(sched: Scheduler, rid: str, n: int, owner: str) -> None:
     req = Request(
         rid, list(range(start, start + n)), SamplingParams(temperature=0, max_tokens=4), owner=owner
     )
-    req.hasher = sched.kv.make_hasher()
+    req.hasher = sched.kv_manager.make_hasher()
     assert req.hasher is not None
     req.hasher.extend(req.block_hashes, req.all_token_ids)
     sched.add_request(req)
@@ -102,7 +102,7 @@ def test_room_for_starved_owners_counts_whole_blocks_per_waiting_head() -> None:
     # b1 and c1 (5 tokens each) need 2 blocks each, not 1.25: with a's 3 next tokens that is 7 blocks
     # against 6 free, so one of a's 3 sequences (above its share of 2) is preempted, its newest.
     sched = _running_owner_a(12, 3, 30)
-    assert sched.kv.num_free_blocks == 6
+    assert sched.kv_manager.num_free_blocks == 6
     add(sched, "b1", 5, "b")
     add(sched, "c1", 5, "c")
     # a2 comes back behind them in the same step, recomputing only what its freed blocks no longer hold: its
@@ -116,7 +116,7 @@ def test_room_for_starved_owners_preempts_until_it_is_enough() -> None:
     # preemption frees a victim's 2 blocks and its next-token block: the first leaves 9 needed of 8 free,
     # so a second one goes too (a stays above its share of 2 throughout).
     sched = _running_owner_a(16, 5, 48)
-    assert sched.kv.num_free_blocks == 6
+    assert sched.kv_manager.num_free_blocks == 6
     add(sched, "b1", 12, "b")
     add(sched, "c1", 8, "c")
     assert step(sched) == [("a0", 1), ("a1", 1), ("a2", 1), ("b1", 12), ("c1", 8), ("a3", 1), ("a4", 1)]

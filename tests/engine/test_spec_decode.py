@@ -101,7 +101,7 @@ def test_same_tokens_text_events_and_cached_blocks_with_and_without_drafts() -> 
     spec, spec_events, spec_core = run(SPEC, prompts, logprobs=1)
     assert seqs(spec) == seqs(plain)
     assert sorted(stored(spec_events)) == sorted(stored(plain_events))
-    assert spec_core.kv.num_cached_blocks == plain_core.kv.num_cached_blocks
+    assert spec_core.kv_manager.num_cached_blocks == plain_core.kv_manager.num_cached_blocks
     # It did speculate, and some drafts were rejected (their slots were then overwritten: checked per step).
     steps = spec_core.runner.steps
     drafted = [s for out in steps for s in out.scheduled if s.draft_token_ids]
