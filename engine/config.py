@@ -4,13 +4,16 @@ or by a test or benchmark) and passed whole to the components, each of which rea
 - `ModelRunner`: model, device, dtype, block_size, kv_cache_memory, num_blocks, max_num_batched_tokens,
   max_num_seqs (to size attention buffers), batch_invariant, quantization, enforce_eager, and the LoRA
   fields (enable_lora, lora_modules, max_loras, max_lora_rank: engine.lora.manager.LoRAManager.from_config);
-- `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, stat_loggers;
+- `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, stat_loggers, the KV tiers
+  (kv_host_memory, kv_disk_dir, kv_disk_size, kv_disk_key_file) and max_retained_fraction;
 - `Scheduler`: max_num_seqs, max_num_batched_tokens, max_model_len, speculative_config;
 - `AsyncEngine.from_config`: served_model_name, kv_events_endpoint, threads, and the grammar engine's
   grammar_compile_workers, grammar_compile_timeout, grammar_cache_memory, grammar_mask_budget_ms.
 
-A new engine setting is a field here, its flag in `server.cli` (with the field's name as `dest`), and its one
-reader; nothing between them re-lists it.
+A new engine setting touches three files: its field here (and its reader's line above), its flag in its group
+in `server.flags` (declared with `engine_flag`, the field's name as `dest`), and its one reader. Nothing between
+them re-lists it: `server.serve.engine_config` copies every field by name, and raises for a field with no flag
+unless `server.flags.engine_map.SET_OTHERWISE` says what sets it instead (`stat_loggers`).
 """
 
 from __future__ import annotations

@@ -48,14 +48,12 @@ def log_config() -> dict[str, Any]:
 
 
 def engine_config(args: argparse.Namespace, stat_loggers: list[StatLogger]) -> EngineConfig:
-    """Every `EngineConfig` field from the flag of the same name (the parser gives each engine flag its
-    field's name as `dest`): a new engine flag is its parser line and its field, nothing here."""
+    """Every `EngineConfig` field from the flag of the same name (`server.flags.engine_map`, which raises for
+    a field without its flag): a new engine flag is its field and its `engine_flag` line, nothing here."""
     from engine.config import EngineConfig
+    from server.flags.engine_map import engine_values
 
-    values = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)
-    }
-    return EngineConfig(**values, stat_loggers=stat_loggers)
+    return EngineConfig(**engine_values(args), stat_loggers=stat_loggers)
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -135,7 +133,7 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     )
     from engine.async_engine import AsyncEngine
     from engine.errors import ModelNotFoundError
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
     from metrics.log_stats import LoggingStatLogger
     from metrics.prometheus import PrometheusStatLogger
     from server import supervise
