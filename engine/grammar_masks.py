@@ -6,7 +6,10 @@ filled on the step thread after the forward, so every request in the batch waite
 whose grammar is ambiguous, each step paid its mask on top of the forward. Here the runner starts the fill
 before the forward (`MaskFiller.filling`) and the sampler waits for it only when it needs the masks, as vLLM
 fills bitmasks while the forward runs. What a mask may cost is bounded apart (engine.structured_output: a
-grammar over the per-token budget is refused, or its sequence fails).
+grammar over the per-token budget is refused, or its request fails).
+
+Imports engine.structured_output (the matchers it fills) and engine.outputs (the step's rows), both for types
+only; neither imports this module.
 
 Rule kept: the fill ends before the step does (`filling` waits for it on exit, whatever happened), so a
 sequence's `GrammarState` is never filled and advanced at once.

@@ -15,6 +15,9 @@ thread); at most `workers` trials run at once and the others wait for a worker, 
 when the worker starts compiling, so a request never pays for another's slow schema with its own 400. A
 worker that timed out, was cancelled or died is replaced by a fresh one (~2 s to start: xgrammar imports
 torch).
+
+Imports engine.grammar_compile (the compile steps it shares with the server's compiler) and
+engine.structured_spec; engine.structured_output imports this module, never the other way.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.structured_output import StructuredOutputError, StructuredOutputSpec
+from engine.grammar_compile import check_mask_cost, compile_failure, compile_spec
+from engine.structured_spec import StructuredOutputError, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +206,6 @@ def worker_main(fd: int) -> None:
     import resource
 
     import xgrammar as xgr
-
-    from engine.structured_output import check_mask_cost, compile_failure, compile_spec
 
     conn = Connection(fd)
     info_json, memory_limit, budget_s = conn.recv()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.structured_output import StructuredOutputSpec
+    from engine.structured_spec import StructuredOutputSpec
 
 _GREEDY_EPS = 1e-5
 # A positive logit is divided by the penalty, a negative one multiplied: in float32, 1e-300 is 0 (x / 0 = inf,

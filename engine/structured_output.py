@@ -1,15 +1,17 @@
 """Structured outputs: compiling a constraint (JSON schema, JSON object, regex, choice, EBNF grammar) into a
-grammar, one matcher per sequence, and the per-row token masks the sampler applies.
+grammar, cached per cache namespace, and one matcher per sequence whose masks the sampler applies.
 
 Engine: xgrammar, measured against llguidance on this 2-core CPU with the default model's 49k vocabulary
 (`python -m benchmarks.grammar_engines`, a nested schema, 43 output tokens): mask + accept per token 2.2 us
 (xgrammar) vs 14 us (llguidance) median; schema compile 14 ms vs 1.4 ms; tokenizer setup 0.33 s vs 0.62 s.
-The per-token mask runs on the engine's step thread for every constrained row of every step, while compiling
-runs once per schema, off that thread, and is cached: so the per-token cost decides. xgrammar is also vLLM's
-and SGLang's default, so schemas behave as their users expect.
+The per-token mask runs beside every step for every constrained row, while compiling runs once per schema, off
+the step thread, and is cached: so the per-token cost decides. xgrammar is also vLLM's and SGLang's default, so
+schemas behave as their users expect.
 
-JSON is generated with `json.dumps`' separators (", " and ": ") and no other free whitespace: a small model
-left free to add whitespace may add it until max_tokens.
+Where the rest lives: the spec and its errors in engine.structured_spec, the compile steps shared with the
+sandbox's workers in engine.grammar_compile, the killable trial compiles in engine.grammar_sandbox, the filling
+of a step's masks beside the forward and their application to the logits in engine.grammar_masks (which
+imports this module; nothing here imports it).
 
 Rules a caller keeps:
 - `GrammarCompiler.compile()` is thread-safe and may take long: call it off the engine thread (the async
@@ -20,9 +22,12 @@ Rules a caller keeps:
   (`forget`), as it forgets their KV blocks and tokenizer pieces.
 - The cache is bounded by the bytes its grammars hold (xgrammar's `memory_size_bytes`: a 20,000-value enum
   compiles to ~105 MB), least recently used first out; a grammar bigger than the whole cache is refused.
-- Every compiled grammar's first mask is timed (CPU time) before it is handed out: one whose per-token cost
-  is over `mask_budget_s` is refused (the client's 400). A sequence whose mask goes over the budget later
-  (grammars whose cost grows with the output: ambiguous EBNF) fails on its next token (`GrammarState`).
+- The mask budget (`mask_budget_s`, CPU time per token) is a request's own: what the masks of all its n
+  sequences cost for one token, never shared with or spent by another request, so only a request's own grammar
+  decides whether it is refused or failed. Every compiled grammar's first mask is timed before it is handed
+  out: one over the budget is refused (the client's 400), and so is a request whose n sequences' first masks
+  together are (`check_sequences`). A request whose masks go over the budget later (grammars whose cost grows
+  with the output: ambiguous EBNF) fails on its next token (`MaskBudget`, `GrammarTooSlowError`).
 - A `GrammarState` belongs to one sequence; `accept()` is called once per generated token, in order (the
   request calls it as its tokens grow), and `fill_mask()` only between two accepts (engine.grammar_masks fills
   it on its own thread while the forward runs, and the runner waits for it before the step ends). A
@@ -32,8 +37,6 @@ Rules a caller keeps:
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +44,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.grammar_compile import check_mask_cost, compile_failure, compile_spec, over_budget, tokenizer_info
+from engine.structured_spec import (
+    GrammarTooSlowError,
+    StructuredOutputError,
+    StructuredOutputSpec,
+    label,
+)
 from kv_cache.namespace import CacheNamespace, Owner
 
 if TYPE_CHECKING:
@@ -48,33 +58,25 @@ if TYPE_CHECKING:
 
     from engine.grammar_sandbox import CompileSandbox
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# The names callers of structured outputs know this module by (defined below it, so that holding a spec or
+# compiling in a worker never imports the compiler).
+__all__ = [
+    "CompiledGrammar",
+    "GrammarCompiler",
+    "GrammarState",
+    "GrammarTooSlowError",
+    "MaskBudget",
+    "StructuredOutputError",
+    "StructuredOutputSpec",
+    "check_sequences",
+    "grammar_states",
+    "tokenizer_info",
+]
+
 CACHE_BYTES = 256 * 1024 * 1024
-MASK_BUDGET_S = 0.010  # CPU time of one token's mask; typical schemas take 0.002-0.2 ms
-# Consecutive tokens over the budget before a sequence fails: one slow fill may be a page fault.
+MASK_BUDGET_S = 0.010  # CPU time of one token's masks; typical schemas take 0.002-0.2 ms
+# Consecutive tokens over the budget before a request fails: one slow fill may be a page fault.
 MASK_STRIKES = 2
-
-
-@dataclass(frozen=True, slots=True)
-class StructuredOutputSpec:
-    """What a request's output must match. `kind` is one of KINDS; `spec` is the canonical text (JSON of the
-    schema with sorted keys, the regex, JSON of the choice list, the EBNF grammar); with the request's cache
-    namespace, the cache key."""
-
-    kind: str
-    spec: str = ""
-
-
-class StructuredOutputError(ValueError):
-    """A constraint the grammar engine cannot compile: the client's to fix (a 400 naming `param`)."""
-
-    def __init__(self, message: str, param: str = "response_format") -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class GrammarTooSlowError(RuntimeError):
-    """A sequence's grammar mask went over the per-token budget: that sequence fails, the batch goes on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,34 +85,67 @@ class CompiledGrammar:
     compiled: Any  # xgrammar.CompiledGrammar
     mask_budget_s: float = float("inf")
     memory_bytes: int = 0
+    first_mask_s: float = 0.0  # CPU time of its first token's mask, when it was compiled
+
+
+class MaskBudget:
+    """One request's per-token mask budget, shared by the `GrammarState`s of its n sequences: what their masks
+    cost for the same token position is summed, so n sequences of one grammar spend one budget, and nothing of
+    another request's."""
+
+    __slots__ = ("_spent", "budget_s", "sequences")
+
+    def __init__(self, budget_s: float, sequences: int = 1) -> None:
+        self.budget_s = budget_s
+        self.sequences = sequences
+        self._spent: dict[int, float] = {}  # token position -> CPU seconds of its sequences' masks there
+
+    def charge(self, position: int, seconds: float) -> float:
+        """Adds one sequence's mask at `position`; returns the request's cost at that position so far."""
+        total = self._spent.get(position, 0.0) + seconds
+        self._spent[position] = total
+        # Sequences step together; one preempted may lag by a token or two. Older positions are done.
+        for old in [p for p in self._spent if p < position - 2]:
+            del self._spent[old]
+        return total
+
+    def spent(self, position: int) -> float:
+        """The request's mask cost at `position` so far (CPU seconds)."""
+        return self._spent.get(position, 0.0)
 
 
 class GrammarState:
-    """One sequence's position in its grammar, and what its masks cost (CPU seconds, on the filling thread)."""
+    """One sequence's position in its grammar, and what its masks cost (CPU seconds, on the filling thread),
+    charged to its request's `MaskBudget`."""
 
-    __slots__ = ("_matcher", "budget_s", "last_fill_s", "rejected", "strikes")
+    __slots__ = ("_charged", "_matcher", "budget", "last_fill_s", "position", "rejected", "strikes")
 
-    def __init__(self, grammar: CompiledGrammar, mask_budget_s: float | None = None) -> None:
+    def __init__(self, grammar: CompiledGrammar, budget: MaskBudget | None = None) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(grammar.compiled)
         self.rejected = False  # a token the grammar refused was appended (only if the mask was bypassed)
-        self.budget_s = grammar.mask_budget_s if mask_budget_s is None else mask_budget_s
+        self.budget = budget if budget is not None else MaskBudget(grammar.mask_budget_s)
+        self.position = 0  # tokens accepted
         self.last_fill_s = 0.0
-        self.strikes = 0  # consecutive masks over the budget
+        self._charged = (-1, 0.0)  # (position, seconds) this state last charged to the budget
+        self.strikes = 0  # consecutive tokens whose request's masks went over the budget
+
+    @property
+    def budget_s(self) -> float:
+        return self.budget.budget_s
 
     def accept(self, token_id: int) -> None:
-        """Raises GrammarTooSlowError (after accepting) once MASK_STRIKES masks in a row went over budget:
-        the caller (the scheduler's update) fails this sequence alone."""
+        """Raises GrammarTooSlowError (after accepting) once MASK_STRIKES tokens in a row went over budget:
+        the caller (the scheduler's update) fails this sequence, and with it its request."""
         if self.rejected or self._matcher.is_terminated():
             return
         if not self._matcher.accept_token(token_id):
             self.rejected = True
+        self.position += 1
         if self.strikes >= MASK_STRIKES:
-            raise GrammarTooSlowError(
-                f"the output constraint cost {self.last_fill_s * 1e3:.1f} ms of CPU per token, over the "
-                f"budget of {self.budget_s * 1e3:g} ms (--grammar-mask-budget-ms)"
-            )
+            spent = self.budget.spent(self.position - 1)
+            raise GrammarTooSlowError(spent, self.budget_s, self.budget.sequences)
 
     @property
     def active(self) -> bool:
@@ -122,7 +157,29 @@ class GrammarState:
         start = time.thread_time()
         self._matcher.fill_next_token_bitmask(bitmask, row)
         self.last_fill_s = time.thread_time() - start
-        self.strikes = self.strikes + 1 if self.last_fill_s > self.budget_s else 0
+        # Filled again at the same position (the sampler's fallback): the new cost replaces the old one.
+        pos, before = self._charged
+        extra = self.last_fill_s - (before if pos == self.position else 0.0)
+        self._charged = (self.position, self.last_fill_s)
+        spent = self.budget.charge(self.position, extra)
+        self.strikes = self.strikes + 1 if spent > self.budget_s else 0
+
+
+def grammar_states(grammar: CompiledGrammar | None, sequences: int) -> list[GrammarState | None]:
+    """The matchers of one request's `sequences` sequences, sharing the request's one mask budget (all None
+    for an unconstrained request)."""
+    if grammar is None:
+        return [None] * sequences
+    budget = MaskBudget(grammar.mask_budget_s, sequences)
+    return [GrammarState(grammar, budget) for _ in range(sequences)]
+
+
+def check_sequences(grammar: CompiledGrammar, sequences: int) -> CompiledGrammar:
+    """`grammar` for a request of `sequences` sequences; StructuredOutputError (a 400) if their first masks
+    together are over the per-token budget: the request would fail on its first tokens."""
+    if grammar.first_mask_s * sequences > grammar.mask_budget_s:
+        raise over_budget(grammar.spec, grammar.first_mask_s, grammar.mask_budget_s, sequences)
+    return grammar
 
 
 _Key = tuple[CacheNamespace | None, StructuredOutputSpec]
@@ -196,10 +253,12 @@ class GrammarCompiler:
         hit = self.cached(spec, namespace)
         if hit is not None:
             return hit
+        first_mask_s = 0.0
         if self.sandbox is not None:
             # Killable, under a timeout and a memory limit: only a compile it finished is repeated here.
             trial = self.sandbox.trial(spec, cancel)
             self._check_size(spec, trial.memory_bytes)
+            first_mask_s = trial.first_mask_s
         start = time.perf_counter()
         try:
             compiled = compile_spec(self._xgr, spec)
@@ -210,10 +269,12 @@ class GrammarCompiler:
         seconds = time.perf_counter() - start
         self._check_size(spec, compiled.memory_size_bytes)
         if self.sandbox is None:
-            check_mask_cost(spec, compiled, self.vocab_size, self.mask_budget_s)
+            first_mask_s = check_mask_cost(spec, compiled, self.vocab_size, self.mask_budget_s)
         if self.on_compile is not None:
             self.on_compile(seconds)
-        grammar = CompiledGrammar(spec, compiled, self.mask_budget_s, compiled.memory_size_bytes)
+        grammar = CompiledGrammar(
+            spec, compiled, self.mask_budget_s, compiled.memory_size_bytes, first_mask_s
+        )
         with self._lock:
             self.compiles += 1
             key = (namespace, spec)
@@ -244,79 +305,6 @@ class GrammarCompiler:
     def _check_size(self, spec: StructuredOutputSpec, memory_bytes: int) -> None:
         if memory_bytes > self.cache_bytes:
             raise StructuredOutputError(
-                f"The {_label(spec.kind)} compiles to {memory_bytes / 2**20:.1f} MiB, more than this server's "
+                f"The {label(spec.kind)} compiles to {memory_bytes / 2**20:.1f} MiB, more than this server's "
                 f"grammar cache holds ({self.cache_bytes / 2**20:.0f} MiB, --grammar-cache-memory)."
             )
-
-
-def tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> Any:
-    import xgrammar as xgr
-
-    return xgr.TokenizerInfo.from_huggingface(
-        hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
-    )
-
-
-def compile_spec(compiler: Any, spec: StructuredOutputSpec) -> Any:
-    """`spec` through an `xgrammar.GrammarCompiler` (here and in the sandbox's workers alike)."""
-    # No free whitespace (see the module docstring).
-    separators = (", ", ": ")
-    if spec.kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=separators)
-    if spec.kind == "json_schema":
-        return compiler.compile_json_schema(
-            spec.spec, any_whitespace=False, separators=separators, strict_mode=True
-        )
-    if spec.kind == "regex":
-        return compiler.compile_regex(spec.spec)
-    if spec.kind == "choice":
-        choices = json.loads(spec.spec)
-        if not choices:
-            raise StructuredOutputError("guided_choice needs at least one choice.", "guided_choice")
-        # EBNF string literals take JSON's escapes.
-        rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        return compiler.compile_grammar(f"root ::= {rule}")
-    if spec.kind == "grammar":
-        return compiler.compile_grammar(spec.spec)
-    raise StructuredOutputError(f"unknown structured output kind {spec.kind!r}")
-
-
-def first_mask_seconds(compiled: Any, vocab_size: int) -> float:
-    """CPU seconds of the first token's mask of a compiled grammar."""
-    import xgrammar as xgr
-
-    matcher = xgr.GrammarMatcher(compiled)
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    start = time.thread_time()
-    matcher.fill_next_token_bitmask(bitmask, 0)
-    return time.thread_time() - start
-
-
-def check_mask_cost(spec: StructuredOutputSpec, compiled: Any, vocab_size: int, budget_s: float) -> float:
-    """The first token's mask's CPU seconds; StructuredOutputError if that is over `budget_s`: following the
-    grammar would slow every step of every request beside it."""
-    seconds = first_mask_seconds(compiled, vocab_size)
-    if seconds > budget_s:
-        raise StructuredOutputError(
-            f"The {_label(spec.kind)} costs {seconds * 1e3:.1f} ms of CPU per token to follow, over this "
-            f"server's budget of {budget_s * 1e3:g} ms (--grammar-mask-budget-ms)."
-        )
-    return seconds
-
-
-def compile_failure(spec: StructuredOutputSpec, exc: BaseException) -> StructuredOutputError:
-    """xgrammar's refusal of `spec` as the client's error (its first line says why)."""
-    text = str(exc).strip()
-    # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:94: ": the reason is what follows.
-    reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0]) if text else type(exc).__name__
-    return StructuredOutputError(f"The {_label(spec.kind)} could not be compiled: {reason}")
-
-
-def _label(kind: str) -> str:
-    return {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex"}.get(
-        kind, kind
-    )
-
-
-# The sampler's half lives with the mask thread; re-exported for the callers that knew it here.
-from engine.grammar_masks import apply_masks as apply_masks  # noqa: E402

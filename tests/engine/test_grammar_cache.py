@@ -19,6 +19,7 @@ from engine.structured_output import (
     GrammarCompiler,
     GrammarState,
     GrammarTooSlowError,
+    MaskBudget,
     StructuredOutputError,
     StructuredOutputSpec,
 )
@@ -91,7 +92,7 @@ def test_a_grammar_over_the_mask_budget_is_refused_before_any_request_runs_it() 
 
 def test_a_sequence_whose_masks_stay_over_budget_fails_on_its_next_token() -> None:
     grammar = GrammarCompiler(_info()).compile(StructuredOutputSpec("regex", "[xy]+"))
-    state = GrammarState(grammar, mask_budget_s=-1.0)  # every fill is over it
+    state = GrammarState(grammar, MaskBudget(-1.0))  # every fill is over it
     bitmask = xgr.allocate_token_bitmask(1, V)
     state.fill_mask(bitmask, 0)
     state.accept(VOCAB.index("x"))  # one slow mask may be a page fault: no failure yet

@@ -10,6 +10,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from engine.grammar_masks import apply_masks
 from engine.outputs import ScheduledRequest
 from engine.request import Request
 from engine.sampler import Sampler
@@ -19,7 +20,6 @@ from engine.structured_output import (
     GrammarState,
     StructuredOutputError,
     StructuredOutputSpec,
-    apply_masks,
 )
 
 EOS = 0
