@@ -210,9 +210,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-class _EngineStreamingResponse(StreamingResponse):
-    """Closes the engine stream even when the body iterator never started (a client that disconnects
-    before the first byte): an un-started async generator never runs its `finally`."""
+class EngineStreamingResponse(StreamingResponse):
+    """An event stream over `stream` (every generation route's, `server.serving.Generation.respond`). Closes
+    the engine stream even when the body iterator never started (a client that disconnects before the first
+    byte): an un-started async generator never runs its `finally`."""
 
     def __init__(self, content: AsyncIterator[str], stream: OutputStream) -> None:
         super().__init__(content, media_type="text/event-stream")
@@ -225,11 +226,7 @@ class _EngineStreamingResponse(StreamingResponse):
             await self._stream.close()
 
 
-def sse_response(events: AsyncIterator[dict[str, Any]], stream: OutputStream) -> StreamingResponse:
-    return _EngineStreamingResponse(_sse_events(events, stream), stream)
-
-
-async def _sse_events(events: AsyncIterator[dict[str, Any]], stream: OutputStream) -> AsyncIterator[str]:
+async def sse_chunks(events: AsyncIterator[dict[str, Any]], stream: OutputStream) -> AsyncIterator[str]:
     """Frame `events` as SSE and end with `data: [DONE]`. An error after the stream started can no longer
     change the status code, so it becomes a `data: {"error": ...}` event before [DONE]."""
     try:

@@ -2,7 +2,8 @@
 `Generation` accumulator whose `respond` starts the stream and then streams or collects.
 
 `serving_chat.ChatGeneration` and `serving_completion.CompletionGeneration` keep only what differs: how a
-sequence delta folds into a choice, the chunks one delta becomes, and the final body. The order of a
+sequence delta folds into a choice, the chunks one delta becomes, and the final body. Messages and Responses
+(`serving_messages`, `serving_responses`) answer through the same `respond`, framing their own events (`sse`). The order of a
 request's life is fixed here: `start` (the engine refuses what can never run before any byte is sent),
 then either SSE chunks (`opening`, per-delta `deltas`, the `include_usage` tail, `[DONE]`) or one JSON body.
 """
@@ -23,7 +24,13 @@ from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError
-from server.generation import OutputStream, check_output, sse_response, unless_disconnected
+from server.generation import (
+    EngineStreamingResponse,
+    OutputStream,
+    check_output,
+    sse_chunks,
+    unless_disconnected,
+)
 from server.limits import check_limits
 from server.lora_routes import select_adapter, with_adapter
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -121,13 +128,20 @@ class Generation(ABC):
     def usage(self) -> dict[str, Any]:
         return usage(sum(len(p) for p in self.prepared.prompts), self.num_tokens, sum(self.cached))
 
-    async def respond(self, request: Request, streaming: bool, include_usage: bool) -> Response:
+    async def respond(self, request: Request, streaming: bool, include_usage: bool = False) -> Response:
+        """Every generation route's answer (chat, completions, Messages, Responses): start the engine stream
+        (refusing what can never run before any byte is sent), then stream `sse` or collect one body."""
         prep = self.prepared
         stream = OutputStream(self.engine, prep.prompts, prep.params, self.id, prep.namespace)
         await start_constrained(request, stream, prep.constraint)
         if streaming:
-            return sse_response(self._events(stream, include_usage), stream)
+            return EngineStreamingResponse(self.sse(stream, include_usage), stream)
         return JSONResponse(await unless_disconnected(request, self._collect(stream)))
+
+    def sse(self, stream: OutputStream, include_usage: bool) -> AsyncIterator[str]:
+        """The event stream's text, closing `stream` when it ends: OpenAI's `data:` chunks and `[DONE]` here;
+        Messages and Responses frame their own events."""
+        return sse_chunks(self._events(stream, include_usage), stream)
 
     def _outputs(self, prompt: int, out: RequestOutput) -> list[CompletionOutput]:
         check_output(out)

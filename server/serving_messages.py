@@ -21,13 +21,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from server.engine_client import EngineClient
 from server.errors import APIError
-from server.generation import OutputStream, _EngineStreamingResponse, unless_disconnected
+from server.generation import OutputStream
 from server.lora_routes import select_adapter
 from server.messages_cache import breakpoint_tokens, cache_usage
 from server.messages_convert import check_messages_limits, to_chat
@@ -38,7 +37,6 @@ from server.prompts import off_loop, render_chat
 from server.retention import CACHE_CONTROL_TTL_S
 from server.serving import Generation, final_reason
 from server.serving_chat import PreparedChat, prepare_chat
-from server.structured import start_constrained
 from server.text_check import check_text
 from server.tool_parsers import HermesToolParser, supports_hermes_tools
 
@@ -190,17 +188,10 @@ class MessagesGeneration(Generation):
         stop = self.stop()
         return self.message(self.blocks.whole(), stop)
 
-    async def respond(self, request: Request, streaming: bool, include_usage: bool) -> Response:
-        prep = self.prepared
-        stream = OutputStream(self.engine, prep.prompts, prep.params, self.id, prep.namespace)
-        await start_constrained(request, stream, prep.constraint)
-        if streaming:
-            return _EngineStreamingResponse(self._sse(stream), stream)
-        return JSONResponse(await unless_disconnected(request, self._collect(stream)))
+    # ---- streaming (Generation.respond streams this) ---------------------------------------------------
 
-    # ---- streaming -----------------------------------------------------------------------------------------
-
-    async def _sse(self, stream: OutputStream) -> AsyncIterator[str]:
+    async def sse(self, stream: OutputStream, include_usage: bool) -> AsyncIterator[str]:
+        """Anthropic's named events; an error once the stream started is an `error` event."""
         try:
             try:
                 async for event in self._stream_events(stream):

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -30,7 +29,7 @@ from engine.errors import ContextLengthError
 from server.engine_client import EngineClient
 from server.errors import SERVER_ERROR, APIError, bad_request, context_length_exceeded, engine_not_running
 from server.errors import validation_error as pydantic_error
-from server.generation import OutputStream, _EngineStreamingResponse, unless_disconnected
+from server.generation import OutputStream
 from server.openapi import BODY_ERRORS, GENERATION_RESPONSES
 from server.protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest
 from server.response_store import ResponseStore
@@ -39,7 +38,6 @@ from server.responses_events import ResponseBuilder, item_id
 from server.responses_input import chat_messages, chat_request, check_unsupported, input_items
 from server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from server.serving_chat import ChatGeneration, PreparedChat, prepare_chat
-from server.structured import start_constrained
 from server.tenancy import request_namespace
 from server.text_check import check_text
 from server.tool_parsers import supports_hermes_tools
@@ -168,17 +166,9 @@ class ResponseGeneration(ChatGeneration):
             self.store.put(self.id, self.prepared.namespace, response, [*self.items, *self.builder.output])
         return response
 
-    # ---- serving -----------------------------------------------------------------------------------------
+    # ---- streaming (Generation.respond streams this) ---------------------------------------------------
 
-    async def respond(self, request: Request, streaming: bool, include_usage: bool = False) -> Response:
-        prep = self.prepared
-        stream = OutputStream(self.engine, prep.prompts, prep.params, self.id, prep.namespace)
-        await start_constrained(request, stream, prep.constraint)
-        if streaming:
-            return _EngineStreamingResponse(self._sse(stream), stream)
-        return JSONResponse(await unless_disconnected(request, self._collect(stream)))
-
-    async def _sse(self, stream: OutputStream) -> AsyncIterator[str]:
+    async def sse(self, stream: OutputStream, include_usage: bool) -> AsyncIterator[str]:
         """The event stream. An error once it started can no longer change the status: it becomes an `error`
         event and `response.failed`."""
         b = self.builder
