@@ -27,7 +27,7 @@ from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output import CompiledGrammar, GrammarState
+from engine.structured_output import CompiledGrammar, grammar_states
 from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner
 from kv_cache.stats import KVCacheEvent
@@ -149,6 +149,7 @@ class EngineCore:
             lora = self._lora_of(namespace)
             arrival = time.monotonic() if arrival_time is None else arrival_time
             children = []
+            states = grammar_states(grammar, params.n)  # one mask budget for all n sequences
             for i in range(params.n):
                 # Child i of a seeded request uses seed + i, so the n samples differ yet are reproducible.
                 child_params = dataclasses.replace(
@@ -156,7 +157,6 @@ class EngineCore:
                 )
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
                 hasher = self.kv_manager.make_hasher(namespace, prompt_token_ids)
-                state = GrammarState(grammar) if grammar is not None else None
                 children.append(
                     Request(
                         child_id,
@@ -167,7 +167,7 @@ class EngineCore:
                         arrival,
                         index=i,
                         owner=owner or request_id,
-                        grammar=state,
+                        grammar=states[i],
                         lora=lora,
                     )
                 )
@@ -322,23 +322,13 @@ class EngineCore:
             self.kv_manager.make_prefix_cache_stats()  # keep the counters from growing unread
             self.scheduler.take_num_preemptions()
             return
-        pcs = self.kv_manager.make_prefix_cache_stats()
         sched = SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_manager.usage,
             num_cached_blocks=self.kv_manager.num_cached_blocks,
-            prefix_cache_queries=pcs.queries,
-            prefix_cache_hits=pcs.hits,
-            prefix_cache_preempted_queries=pcs.preempted_queries,
-            prefix_cache_preempted_hits=pcs.preempted_hits,
-            prefix_cache_public_hits=pcs.public_hits,
-            prefix_cache_tier_hits=pcs.tier_hits,
-            prefix_cache_requests=pcs.requests,
+            prefix_cache=self.kv_manager.make_prefix_cache_stats(),  # kv_cache's record, handed on whole
             num_preemptions=self.scheduler.take_num_preemptions(),
-            num_evictions=pcs.evictions,
-            num_retained_blocks=pcs.retained_blocks,
-            num_retention_expiries=pcs.retention_expiries,
             prefix_cache_reset=prefix_cache_reset,
         )
         self._lora_stats(sched)

@@ -1,5 +1,10 @@
 """What the prefix cache reports upward: per-request hit statistics and the block events an external router
-(one that routes requests to the replica already holding their prefix) consumes. Torch-free records only."""
+(one that routes requests to the replica already holding their prefix) consumes. Torch-free records only.
+
+`PrefixCacheStats` is the one record of the prefix cache's counters: the manager fills it, the engine hands
+it on whole inside `metrics.stats.SchedulerStats.prefix_cache`, and the stat loggers read its fields. A new
+counter is a field here, the line in `KVCacheManager` that counts it, and its metric in
+`metrics/prometheus.py`; nothing between them lists the fields again."""
 
 from __future__ import annotations
 

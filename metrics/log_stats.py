@@ -114,8 +114,8 @@ class LoggingStatLogger:
                 self._spec.num_accepted_tokens += sd.num_accepted_tokens
             if s.prefix_cache_reset:
                 self.window.clear()
-            requests = s.prefix_cache_requests or (1 if s.prefix_cache_queries else 0)
-            self.window.observe(requests, s.prefix_cache_queries, s.prefix_cache_hits)
+            pc = s.prefix_cache
+            self.window.observe(pc.requests or (1 if pc.queries else 0), pc.queries, pc.hits)
             self._last = s
             if self._autostart and self._thread is None:
                 self._window_start = self._clock()  # idle time before the first step is not a window

@@ -22,6 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kv_cache.stats import PrefixCacheStats
 from metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 # Pre-created so every reason is exported as 0 before the first request finishes: a scraper computing
@@ -245,24 +246,9 @@ class PrometheusStatLogger:
             self.num_waiting.set(s.num_waiting)
             self.kv_cache_usage.set(s.kv_cache_usage)
             self.num_cached_blocks.set(s.num_cached_blocks)
-            self.num_retained_blocks.set(s.num_retained_blocks)
             if s.max_lora:
                 self._record_lora(s)
-            self.retention_expiries.inc(s.num_retention_expiries)
-            # Counter.inc(0) is legal; negative values would raise, which is the engine's bug to see.
-            self.prefix_cache_queries.inc(s.prefix_cache_queries)
-            self.prefix_cache_hits.inc(s.prefix_cache_hits)
-            self.prefix_cache_preempted_queries.inc(s.prefix_cache_preempted_queries)
-            self.prefix_cache_preempted_hits.inc(s.prefix_cache_preempted_hits)
-            self.prefix_cache_public_hits.inc(s.prefix_cache_public_hits)
-            from_tiers = 0
-            for tier, n in s.prefix_cache_tier_hits.items():
-                child = self.prefix_cache_tier_hits.get(tier)
-                if child is not None:
-                    child.inc(n)
-                    from_tiers += n
-            self.prefix_cache_tier_hits["pool"].inc(max(0, s.prefix_cache_hits - from_tiers))
-            self.prefix_cache_evictions.inc(s.num_evictions)
+            self._record_prefix_cache(s.prefix_cache)
             self.num_preemptions.inc(s.num_preemptions)
             self.prompt_tokens.inc(it.num_prompt_tokens)
             self.generation_tokens.inc(it.num_generation_tokens)
@@ -288,6 +274,25 @@ class PrometheusStatLogger:
                 self.generation_length.observe(f.num_generation_tokens)
                 for t in f.mean_times_per_output_token:  # one per sequence with > 1 token
                     self.time_per_output_token.observe(t)
+
+    def _record_prefix_cache(self, pc: PrefixCacheStats) -> None:
+        """The KV cache manager's record, as it counted it (kv_cache.stats: one list of fields)."""
+        self.num_retained_blocks.set(pc.retained_blocks)
+        self.retention_expiries.inc(pc.retention_expiries)
+        # Counter.inc(0) is legal; negative values would raise, which is the engine's bug to see.
+        self.prefix_cache_queries.inc(pc.queries)
+        self.prefix_cache_hits.inc(pc.hits)
+        self.prefix_cache_preempted_queries.inc(pc.preempted_queries)
+        self.prefix_cache_preempted_hits.inc(pc.preempted_hits)
+        self.prefix_cache_public_hits.inc(pc.public_hits)
+        from_tiers = 0
+        for tier, n in pc.tier_hits.items():
+            child = self.prefix_cache_tier_hits.get(tier)
+            if child is not None:
+                child.inc(n)
+                from_tiers += n
+        self.prefix_cache_tier_hits["pool"].inc(max(0, pc.hits - from_tiers))
+        self.prefix_cache_evictions.inc(pc.evictions)
 
     def _record_spec(self, sd: SpecDecodingStats) -> None:
         self.spec_decode_num_drafts.inc(sd.num_drafts)

@@ -3,7 +3,10 @@
 The engine fills a `SchedulerStats` and an `IterationStats` once per step (and once after a prefix-cache
 reset, with an empty `IterationStats`) and hands both to every stat logger (`StatLogger.record`). These
 records are the only thing that crosses from the engine to `metrics/`: the loggers never look at engine
-objects, so this package imports the stdlib and prometheus-client only.
+objects, so this package imports the stdlib, prometheus-client and kv_cache's torch-free records only. The
+prefix cache's counters are kv_cache's own record (`kv_cache.stats.PrefixCacheStats`), carried whole in
+`SchedulerStats.prefix_cache` from the KV cache manager to the loggers: a counter added there reaches every
+logger without being listed again on the way.
 
 Units: token counts are tokens, times are seconds (floats from a monotonic clock), KV usage is a fraction 0..1.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from kv_cache.stats import PrefixCacheStats
 
 
 @dataclass(slots=True)
@@ -22,25 +27,13 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks with a reference (0..1)
     num_cached_blocks: int = 0  # blocks currently holding a prefix hash (reusable, in use or free)
-    # Prefix-cache lookups made this step, in tokens. A request is looked up once, when it is first
-    # scheduled; a request resumed after preemption is looked up again, into the preempted counters, so that
-    # its own earlier blocks do not inflate the hit rate.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_preempted_queries: int = 0
-    prefix_cache_preempted_hits: int = 0
-    # Of prefix_cache_hits, tokens in blocks of a declared public prefix (shared across cache namespaces).
-    prefix_cache_public_hits: int = 0
-    # Of prefix_cache_hits, tokens loaded from a KV tier behind the pool, by tier ("host" | "disk").
-    prefix_cache_tier_hits: dict[str, int] = field(default_factory=dict)
-    num_retained_blocks: int = 0  # KV blocks held in the pool for retention requests, after this step
-    num_retention_expiries: int = 0  # retained blocks whose TTL ran out, this step
-    # Number of requests behind prefix_cache_queries (kv_cache's PrefixCacheStats.requests). Added beyond the
-    # contract so the log line can give the hit rate over the last N *requests*; when the engine leaves it at
-    # 0, a step with queries counts as one request.
-    prefix_cache_requests: int = 0
+    # What the prefix cache did since the last record (lookups, hits, evictions, retention), as the KV cache
+    # manager counted it (`KVCacheManager.make_prefix_cache_stats`). A request is looked up once, when it is
+    # first scheduled; a request resumed after preemption is looked up again, into the preempted counters,
+    # so that its own earlier blocks do not inflate the hit rate. `requests` may be 0 from an engine that
+    # does not count them: the log line then counts a step with queries as one request.
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0  # this step
-    num_evictions: int = 0  # cached blocks whose hash was dropped on reallocation, this step
     # The prefix cache was emptied just before this record: hit rates over a recent window start afresh, since
     # hits from before the reset say nothing about the cache now.
     prefix_cache_reset: bool = False

@@ -142,9 +142,9 @@ def test_a_request_waiting_for_blocks_is_counted_once_in_the_prefix_cache_stats(
     waited = [s.request_id for out in runner.steps for s in out.scheduled].index("next")
     assert waited > 1  # it was looked at and refused in several steps
     sched = [s for s, _ in log.records]
-    assert sum(s.prefix_cache_queries for s in sched) == 12 + 8
-    assert sum(s.prefix_cache_requests for s in sched) == 2
-    assert sum(s.prefix_cache_preempted_queries for s in sched) == 0
+    assert sum(s.prefix_cache.queries for s in sched) == 12 + 8
+    assert sum(s.prefix_cache.requests for s in sched) == 2
+    assert sum(s.prefix_cache.preempted_queries for s in sched) == 0
 
 
 @pytest.mark.parametrize("limit", ["max_num_seqs", "max_num_batched_tokens"])

@@ -19,6 +19,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
+from kv_cache.stats import PrefixCacheStats
 from metrics.prometheus import PrometheusStatLogger
 from metrics.stats import FinishedRequestStats
 
@@ -170,3 +171,26 @@ async def test_async_reset_prefix_cache_updates_the_gauges_without_a_request() -
         assert metric(prom, "brine_prefix_cache_queries_total") == queries  # counters are not reset
     finally:
         eng.shutdown()
+
+
+def test_the_kv_managers_prefix_cache_record_reaches_the_loggers_whole() -> None:
+    """One record from kv_cache to Prometheus: what the manager counted is what every logger gets, every
+    field of it (none listed again on the way), and Prometheus shows its counters."""
+    rec, prom = RecordingLogger(), PrometheusStatLogger(MODEL)
+    core = make_core(FakeRunner(num_blocks=64, block_size=4), stat_loggers=[rec, prom])
+    counted: list[PrefixCacheStats] = []
+    make_stats = core.kv_manager.make_prefix_cache_stats
+
+    def spy() -> PrefixCacheStats:
+        counted.append(make_stats())
+        return counted[-1]
+
+    core.kv_manager.make_prefix_cache_stats = spy  # type: ignore[method-assign]
+    for rid in ("a", "b"):  # b hits a's two full blocks
+        core.add_request(rid, list(range(1, 10)), SamplingParams(max_tokens=2, temperature=0))
+        run_to_completion(core)
+    assert [s.prefix_cache for s, _ in rec.records] == counted  # the same records, in order
+    assert all(s.prefix_cache is c for (s, _), c in zip(rec.records, counted, strict=True))
+    assert sum(c.hits for c in counted) == 8 and sum(c.queries for c in counted) == 18
+    assert metric(prom, "brine_prefix_cache_hits_total") == 8
+    assert metric(prom, "brine_prefix_cache_queries_total") == 18

@@ -36,7 +36,7 @@ class TierHits:
         self.by_tier: dict[str, int] = {}
 
     def record(self, s: SchedulerStats, it: IterationStats) -> None:
-        for tier, n in s.prefix_cache_tier_hits.items():
+        for tier, n in s.prefix_cache.tier_hits.items():
             self.by_tier[tier] = self.by_tier.get(tier, 0) + n
 
 

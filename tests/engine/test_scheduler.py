@@ -139,7 +139,7 @@ def test_preempted_request_goes_back_to_the_front_and_rehits_its_blocks():
     run_to_completion(core)
     assert sum(s.num_preemptions for s, _ in log.records) >= 1
     # "new" was the victim; when it came back its own full blocks were still hashed in the free queue.
-    assert sum(s.prefix_cache_preempted_hits for s, _ in log.records) > 0
+    assert sum(s.prefix_cache.preempted_hits for s, _ in log.records) > 0
     resumed = [c for c in chunks_of(runner, "new") if c[0] > 0 and c[1] > 1]
     assert resumed, "the preempted request should resume from cached blocks, not from scratch"
 
@@ -266,7 +266,7 @@ def test_stats_count_queries_hits_and_computed_prompt_tokens():
     run_to_completion(core)
     sched = [s for s, _ in log.records]
     it = [i for _, i in log.records]
-    assert sum(s.prefix_cache_queries for s in sched) == 18 and sum(s.prefix_cache_hits for s in sched) == 8
+    assert sum(s.prefix_cache.queries for s in sched) == 18 and sum(s.prefix_cache.hits for s in sched) == 8
     assert sum(i.num_prompt_tokens for i in it) == 9 + 1
     assert sum(i.num_generation_tokens for i in it) == 4
     assert sum(len(i.ttfts) for i in it) == 2 and sum(len(i.inter_token_latencies) for i in it) == 2

@@ -134,10 +134,10 @@ def test_a_victim_in_the_middle_of_a_chunked_prefill_restarts_from_its_cached_ch
     assert 0 < resume_at <= computed_before and resume_at % 4 == 0
     # (With fair token shares the short request's decodes may squeeze "long" out again later: each resumed
     # lookup queries its whole prompt, and the first one hit exactly where it resumed.)
-    resumed = [s for s, _ in log.records if s.prefix_cache_preempted_queries]
-    assert resumed[0].prefix_cache_preempted_hits == resume_at
-    assert sum(s.prefix_cache_preempted_queries for s in resumed) == 30 * len(resumed)
-    assert sum(s.prefix_cache_queries for s, _ in log.records) == 7 + 30  # the first lookups, once each
+    resumed = [s for s, _ in log.records if s.prefix_cache.preempted_queries]
+    assert resumed[0].prefix_cache.preempted_hits == resume_at
+    assert sum(s.prefix_cache.preempted_queries for s in resumed) == 30 * len(resumed)
+    assert sum(s.prefix_cache.queries for s, _ in log.records) == 7 + 30  # the first lookups, once each
     assert {rid: collect(outputs, rid) for rid in requests} == reference_tokens(
         requests, max_num_batched_tokens=9
     )

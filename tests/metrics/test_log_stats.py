@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kv_cache.stats import PrefixCacheStats
 from metrics.log_stats import CacheHitWindow, LoggingStatLogger
 from metrics.stats import IterationStats, SchedulerStats
 
@@ -52,10 +53,11 @@ def test_logs_every_tick_with_throughput_and_hit_rate(
     caplog.set_level(logging.INFO, logger="brine.metrics")
     log = LoggingStatLogger(interval=10.0, clock=clock, autostart=False)
     clock.t += 4
-    log.record(SchedulerStats(num_running=1, kv_cache_usage=0.25, prefix_cache_queries=1000, prefix_cache_requests=1),
+    log.record(SchedulerStats(num_running=1, kv_cache_usage=0.25,
+                              prefix_cache=PrefixCacheStats(queries=1000, requests=1)),
                IterationStats(num_prompt_tokens=1000, num_generation_tokens=1))  # fmt: skip
-    log.record(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=1000,
-                              prefix_cache_hits=992, prefix_cache_requests=1),
+    log.record(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.5,
+                              prefix_cache=PrefixCacheStats(queries=1000, hits=992, requests=1)),
                IterationStats(num_prompt_tokens=8, num_generation_tokens=2))  # fmt: skip
     assert lines(caplog) == []  # record() never logs: the timer does
     clock.t += 6
@@ -115,18 +117,18 @@ def test_timer_thread_logs_while_busy(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_steps_without_request_count_count_as_one_request(clock: FakeClock) -> None:
     log = LoggingStatLogger(window_requests=1, clock=clock, autostart=False)
-    log.record(SchedulerStats(prefix_cache_queries=100), IterationStats())
-    log.record(SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=96), IterationStats())
+    log.record(SchedulerStats(prefix_cache=PrefixCacheStats(queries=100)), IterationStats())
+    log.record(SchedulerStats(prefix_cache=PrefixCacheStats(queries=100, hits=96)), IterationStats())
     assert (log.window.requests, log.window.queries, log.window.hits) == (1, 100, 96)
 
 
 def test_a_prefix_cache_reset_starts_the_hit_rate_window_afresh(clock: FakeClock) -> None:
     log = LoggingStatLogger(clock=clock, autostart=False)
-    log.record(SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=90, prefix_cache_requests=1),
+    log.record(SchedulerStats(prefix_cache=PrefixCacheStats(queries=100, hits=90, requests=1)),
                IterationStats())  # fmt: skip
     assert log.window.hit_rate == 0.9
     log.record(SchedulerStats(prefix_cache_reset=True), IterationStats())
     assert log.window.hit_rate is None and log.window.requests == 0
-    log.record(SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=0, prefix_cache_requests=1),
+    log.record(SchedulerStats(prefix_cache=PrefixCacheStats(queries=100, hits=0, requests=1)),
                IterationStats())  # fmt: skip
     assert log.window.hit_rate == 0.0  # hits from before the reset no longer count
