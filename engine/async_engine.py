@@ -34,6 +34,7 @@ from engine.structured_output import (
     CompiledGrammar,
     GrammarCompiler,
     StructuredOutputError,
+    check_sequences,
     tokenizer_info,
 )
 from engine.threads import default_torch_threads, on_fresh_thread, set_torch_threads
@@ -254,19 +255,17 @@ class AsyncEngine:
         if self._grammars is None:
             raise StructuredOutputError("Structured outputs are not available for this model's tokenizer.")
         for stat_logger in self._core.stat_loggers:
-            count = getattr(stat_logger, "count_structured_output", None)
-            if count is not None:
-                count(spec.kind)
+            stat_logger.count_structured_output(spec.kind)
         hit = self._grammars.cached(spec, namespace)
         if hit is not None:
-            return hit
+            return check_sequences(hit, params.n)  # n sequences spend one request's mask budget
         assert self._compile_pool is not None
         cancel = threading.Event()
         pending = asyncio.get_running_loop().run_in_executor(
             self._compile_pool, self._grammars.compile, spec, namespace, cancel
         )
         try:
-            return await pending
+            return check_sequences(await pending, params.n)
         except asyncio.CancelledError:
             cancel.set()  # queued: never starts; compiling: its worker process is killed
             raise
