@@ -1,7 +1,10 @@
 """The FastAPI application: `create_app(engine, ...)` wires the routes, error handlers and auth.
 
 The engine is anything satisfying `server.engine_client.EngineClient` (the real `AsyncEngine`, or the fake in
-tests). Routes hold no state of their own beyond what `create_app` closes over.
+tests). `create_app` builds the app, its state and middleware, then installs one route group at a time: the
+generation, model and ops (/health, /version, /metrics) routes here, the others from their own modules
+(`token_routes`, `cache_routes`, `lora_routes`, `serving_responses`, `router_routes`, `messages_routes`).
+Routes hold no state of their own beyond what their installer closes over.
 """
 
 from __future__ import annotations
@@ -11,42 +14,31 @@ import inspect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import anyio
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from server.auth import ApiKeyMiddleware
 from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
-from server.engine_client import EngineClient, TokenizerLike
-from server.errors import APIError, bad_request, engine_not_running, install_error_handlers
+from server.cache_routes import install_cache_routes
+from server.engine_client import EngineClient
+from server.errors import engine_not_running, install_error_handlers
 from server.generation import ClientDisconnected
 from server.inflight import InflightLimiter
 from server.limits import RequestLimits
 from server.lora_routes import adapter_cards, add_lora_routes, find_adapter_card
 from server.messages_routes import install_messages_routes
-from server.openapi import BODY_ERRORS, GENERATION_RESPONSES, install_openapi
-from server.params import check_chat_template, check_model
-from server.prompts import encode, off_loop, render_chat
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.openapi import GENERATION_RESPONSES, install_openapi
+from server.params import check_model
+from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.response_store import ResponseStore
 from server.responses import now
 from server.router_routes import install_router_routes
 from server.serving_chat import create_chat_completion
 from server.serving_completion import create_completion
 from server.serving_responses import install_responses_routes
-from server.tenancy import TenancyConfig, request_owner
-from server.text_check import check_text
-
-DETOKENIZE_THREADS = 2
-
-
-def _decode(tokenizer: TokenizerLike, tokens: list[int]) -> str:
-    """`/detokenize`'s work, in a worker thread: the vocabulary check is a pass over every id too."""
-    vocab = tokenizer.vocab_size
-    if any(t < 0 or (vocab is not None and t >= vocab) for t in tokens):
-        raise bad_request("tokens contains a token id outside the vocabulary.", "tokens")
-    return tokenizer.decode(tokens)
+from server.tenancy import TenancyConfig
+from server.token_routes import install_token_routes
 
 
 class MetricsRenderer(Protocol):
@@ -97,29 +89,49 @@ def create_app(
     )
     tenancy = tenancy or TenancyConfig()
     app.state.tenancy = tenancy
+    app.state.limits = limits or RequestLimits()
+    app.state.inflight = InflightLimiter(app.state.limits.max_requests_per_namespace)
     install_error_handlers(app)
     install_openapi(app)
+    _install_middleware(app, api_keys, tenancy, max_body_bytes)
+    _install_client_gone(app)
+    # In this order: it is the order of /openapi.json's paths.
+    _install_generation_routes(app, engine)
+    _install_model_routes(app, engine, created=now())
+    add_lora_routes(app, engine)
+    _install_ops_routes(app, engine, metrics)
+    install_token_routes(app, engine)
+    install_cache_routes(app, engine, keyless=not any(api_keys) and tenancy.tenants is None)
+    install_responses_routes(app, engine, response_store or ResponseStore())
+    install_router_routes(app, engine)
+    install_messages_routes(app, engine)  # last: its error middleware must be outermost
+    return app
+
+
+def _install_middleware(
+    app: FastAPI, api_keys: Sequence[str], tenancy: TenancyConfig, max_body_bytes: int
+) -> None:
     # Added last = outermost: a request without a valid key is refused before its body is read.
     # /detokenize's body is bounded by its token limit (12 bytes an id, at most: 10 digits and ", "), so a body
     # far past it is refused before FastAPI parses it on the event loop.
-    detokenize_bytes = min(max_body_bytes, 4096 + 12 * (limits or RequestLimits()).max_detokenize_tokens)
+    detokenize_bytes = min(max_body_bytes, 4096 + 12 * app.state.limits.max_detokenize_tokens)
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=max_body_bytes, path_limits={"/detokenize": detokenize_bytes}
     )
     # Always installed: with no keys (and no tenants) it lets HTTP through, and still refuses WebSockets and
     # other scopes.
     app.add_middleware(ApiKeyMiddleware, api_keys=list(api_keys), tenants=tenancy.tenants)
-    keyless = not any(api_keys) and tenancy.tenants is None  # every caller is anonymous
-    app.state.limits = limits or RequestLimits()
-    app.state.inflight = InflightLimiter(app.state.limits.max_requests_per_namespace)
-    created = now()
 
+
+def _install_client_gone(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnected)
     @app.exception_handler(ClientDisconnect)  # gone while sending its body: not a server error either
     async def _client_gone(_: Request, __: Exception) -> Response:
         # Nobody reads this; 499 (nginx's "client closed request") keeps it out of 5xx dashboards.
         return Response(status_code=499)
 
+
+def _install_generation_routes(app: FastAPI, engine: EngineClient) -> None:
     def require_healthy() -> None:
         if not engine.is_healthy():
             raise engine_not_running()
@@ -134,6 +146,8 @@ def create_app(
         require_healthy()
         return await create_completion(engine, body, request)
 
+
+def _install_model_routes(app: FastAPI, engine: EngineClient, *, created: int) -> None:
     def model_card() -> dict:
         return {
             "id": engine.model_name,
@@ -156,7 +170,9 @@ def create_app(
         check_model(model_id, engine.model_name)
         return model_card()
 
-    add_lora_routes(app, engine)
+
+def _install_ops_routes(app: FastAPI, engine: EngineClient, metrics: MetricsRenderer | None) -> None:
+    """What load balancers, operators and scrapers ask: /health, /version, /metrics."""
 
     @app.get("/health", operation_id="health")
     async def health() -> Response:
@@ -177,97 +193,3 @@ def create_app(
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
-
-    @app.post("/tokenize", operation_id="tokenize", responses=BODY_ERRORS)
-    async def tokenize(req: TokenizeRequest) -> dict:
-        check_text(req)
-        check_model(req.model, engine.model_name)
-        check_chat_template(req.chat_template)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("Send exactly one of prompt and messages.", "prompt")
-        if req.messages is not None:
-            if not req.messages:
-                raise bad_request("messages must not be empty.", "messages")
-            tokens = await off_loop(
-                render_chat,
-                engine.tokenizer,
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs,
-            )
-        else:
-            tokens = await off_loop(
-                encode,
-                engine.tokenizer,
-                req.prompt or "",
-                add_special_tokens=req.add_special_tokens,
-                param="prompt",
-            )
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
-
-    # Decoding a long list costs milliseconds per thousand ids: never on the event loop (every stream's
-    # tokens go out from it), and at most two at once, so a flood of big bodies queues here instead of
-    # taking every worker thread that tokenizing needs.
-    detokenizing = anyio.CapacityLimiter(DETOKENIZE_THREADS)
-
-    @app.post("/detokenize", operation_id="detokenize", responses=BODY_ERRORS)
-    async def detokenize(req: DetokenizeRequest) -> dict:
-        check_text(req)
-        check_model(req.model, engine.model_name)
-        limit = app.state.limits.max_detokenize_tokens
-        if len(req.tokens) > limit:
-            raise bad_request(
-                f"Invalid 'tokens': at most {limit} token ids per request, got {len(req.tokens)}.",
-                "tokens",
-                "array_above_max_length",
-            )
-        text = await anyio.to_thread.run_sync(_decode, engine.tokenizer, req.tokens, limiter=detokenizing)
-        return {"prompt": text}
-
-    @app.post("/reset_prefix_cache", operation_id="resetPrefixCache")
-    async def reset_prefix_cache(
-        request: Request,
-        # Checked below rather than typed as a Literal: a bad value must be a 400 naming `scope`.
-        scope: str | None = Query(
-            None,
-            description='"tenant": the caller\'s own cached blocks (a tenant key\'s default); "global": every '
-            "cached block (the operator's default; a tenant gets a 403).",
-            json_schema_extra={"enum": ["tenant", "global"]},
-        ),
-    ) -> dict:
-        # ?scope=tenant|global; the default is the caller's own: a tenant's (or the gateway header's)
-        # namespace, else everything. Only the operator may reset everything.
-        if scope not in (None, "tenant", "global"):
-            raise bad_request('scope must be "tenant" or "global".', "scope")
-        owner = request_owner(request)
-        if owner is not None and scope == "global":
-            raise APIError(
-                "Only the server's operator can reset the whole prefix cache; this resets your own blocks "
-                "without scope=global.",
-                status=403,
-                code="permission_denied",
-            )
-        if owner is None and scope == "tenant":
-            raise bad_request(
-                "A tenant-scoped reset needs a tenant's API key (or the gateway header).", "scope"
-            )
-        if owner is not None:
-            # A tenant's reset: its own private blocks only, in use or not (never refused with a 409).
-            forgotten = await anyio.to_thread.run_sync(engine.forget_prefix_cache, owner)
-            return {"reset": True, "forgotten_blocks": forgotten}
-        # The real engine waits for the current step to end: keep that wait off the event loop. On a server
-        # without keys anyone may ask, so a 409 would tell any caller that others are running: there the
-        # reset is forced (blocks in use lose their hashes and keep serving) and always succeeds.
-        if not await anyio.to_thread.run_sync(engine.reset_prefix_cache, keyless):
-            raise APIError(
-                "The prefix cache cannot be reset while requests hold KV blocks; retry when idle.",
-                status=409,
-                code="prefix_cache_in_use",
-            )
-        return {"reset": True}
-
-    install_responses_routes(app, engine, response_store or ResponseStore())
-    install_router_routes(app, engine)
-    install_messages_routes(app, engine)  # last: its error middleware must be outermost
-    return app
