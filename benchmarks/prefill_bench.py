@@ -32,7 +32,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.device import resolve_device, resolve_dtype
-from engine.model.files import resolve_model
+from engine.model.loading.files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams

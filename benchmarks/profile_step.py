@@ -66,10 +66,10 @@ def _timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument(core: EngineCore) -> None:
     """Wrap the stages of a step and the parts of the model, in place (this process only)."""
-    import engine.model.llama as llama
+    import engine.model.models.llama as llama
     from engine.detokenizer import TextStream
-    from engine.model.cpu_linear import PackedLinear
-    from engine.model.quant_linear import QuantLinear
+    from engine.model.layers.linear import PackedLinear
+    from engine.model.layers.quant_linear import QuantLinear
 
     sched, runner, model = core.scheduler, core.runner, core.runner.model
     sched.schedule = _timed("scheduler.schedule", sched.schedule)
@@ -114,7 +114,7 @@ def step_timer() -> Iterator[None]:
 
 def make_core(model: str | None, dtype: str, quantization: str = "auto") -> EngineCore:
     from engine.config import EngineConfig
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
     from engine.model_runner import ModelRunner
     from engine.tokenizer import Tokenizer
 

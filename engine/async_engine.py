@@ -133,7 +133,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Loads the model and tokenizer and starts the step thread."""
-        from engine.model.files import resolve_model
+        from engine.model.loading.files import resolve_model
         from engine.model_runner import ModelRunner  # torch: imported only when a real engine is made
 
         files = resolve_model(config.model)

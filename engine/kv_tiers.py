@@ -100,7 +100,7 @@ def kv_identity(runner: Any, config: Any, model_dir: Path, cache_file: Path | No
         kernel = f"cuda {torch.version.cuda} {torch.cuda.get_device_name(device)} torch {torch.__version__}"
         dev = f"cuda:{torch.cuda.get_device_name(device)}"
     else:
-        from engine.model.native_kernels import load
+        from engine.model.kernels.build import load
 
         kernels, why = load()
         kernel = kernels.tier if kernels is not None else f"none ({why})"

@@ -7,7 +7,7 @@ import pytest
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from engine.model.invariance import isa_summary
+    from engine.model.kernels.invariance import isa_summary
 
     return f"brine kernels: {isa_summary()}"
 

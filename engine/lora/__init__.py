@@ -4,5 +4,6 @@
   content fingerprint;
 - `delta`: the low-rank products of one adapter's target, row-count invariant like the base linears;
 - `layer`: `LoRALinear`, which wraps a base linear and adds each row's delta, gathered per adapter (punica-style);
+- `adapter`: `LoRAAdapter`, one loaded adapter (name, fingerprint, its delta modules);
 - `manager`: `LoRAManager`, the registry of loaded adapters and the per-step row groups the wrappers read.
 """

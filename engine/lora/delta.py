@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.cpu_linear import packing_supported, probe_row_multiple
-from engine.model.invariance import PROBE_ROWS, pad_rows
+from engine.model.kernels.invariance import PROBE_ROWS, pad_rows
+from engine.model.layers.linear import packing_supported, probe_row_multiple
 
 
 class TargetDelta(nn.Module):

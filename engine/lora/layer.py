@@ -16,15 +16,12 @@ model's (quantized, packed, dense): the delta is added to its output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.model.llama import DecoderLayer, LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from engine.lora.manager import LoRAAdapter
+from engine.lora.adapter import LoRAAdapter
+from engine.model.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 @dataclass(slots=True)

@@ -18,17 +18,17 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.delta import TargetDelta
 from engine.lora.layer import LoRAStep, fused_columns, wrap_model
 from engine.lora.peft_format import TARGETS, LoRAError, TargetShape, load_peft
-from engine.model.invariance import NotInvariantError
-from engine.model.llama import LlamaForCausalLM
+from engine.model.kernels.invariance import NotInvariantError
+from engine.model.models.llama import LlamaForCausalLM
 from kv_cache.namespace import CacheNamespace
 
 if TYPE_CHECKING:
@@ -36,24 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 MAX_NAME_CHARS = 256
-
-
-@dataclass(slots=True, eq=False)
-class LoRAAdapter:
-    """A loaded adapter: its name, fingerprint, rank, and one delta module per (layer, target) it changes."""
-
-    name: str
-    path: str
-    fingerprint: str
-    rank: int
-    lora_id: int  # 1, 2, ... in load order (vLLM's lora_int_id); never reused
-    deltas: dict[tuple[int, str], nn.Module]  # (layer, fused linear) -> its delta (engine.lora.layer)
-    num_targets: int = 0  # (layer, target) pairs the adapter changes
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """What the cache namespace carries: (name, fingerprint)."""
-        return (self.name, self.fingerprint)
 
 
 def check_name(name: object) -> str:

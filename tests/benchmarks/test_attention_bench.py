@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_attention_bench_reports_every_case_for_both_backends() -> None:
-    from engine.model.native_kernels import load
+    from engine.model.kernels.build import load
 
     if load()[0] is None:
         pytest.skip(f"the native kernels are not available here: {load()[1]}")

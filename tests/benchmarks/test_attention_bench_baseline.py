@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.attention import AttentionMetadata
-from engine.model.native_attention import NativeBackend
-from engine.model.native_kernels import CSRC, build_baseline, load
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.native import NativeBackend
+from engine.model.kernels.build import CSRC, build_baseline, load
 
 ROOT = Path(__file__).resolve().parents[2]
 

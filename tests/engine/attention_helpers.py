@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import AttentionMetadata, slot_ids
+from engine.model.attention.base import AttentionMetadata, slot_ids
 from engine.model.transfer import index_tensor
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model import native_kernels
-from engine.model.invariance import isa_summary
+from engine.model.kernels import build as native_kernels
+from engine.model.kernels.invariance import isa_summary
 
 
 def kernels_or_skip(part: str | None = None, what: str = "") -> native_kernels.Kernels:

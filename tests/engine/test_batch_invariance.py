@@ -13,11 +13,11 @@ import pytest
 import torch
 from kernel_helpers import kernels_or_skip
 
-from engine.model.attention import AttentionMetadata
-from engine.model.cpu_linear import PackedLinear, packing_supported, probe_row_multiple
-from engine.model.invariance import isa_summary
-from engine.model.llama import silu
-from engine.model.tiled_attention import KV_TILE, TiledBackend, tree_sum
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.tiled import KV_TILE, TiledBackend, tree_sum
+from engine.model.kernels.invariance import isa_summary
+from engine.model.layers.activation import silu
+from engine.model.layers.linear import PackedLinear, packing_supported, probe_row_multiple
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -109,7 +109,7 @@ class _Cache:
 def _cpu_backend(name: str, dim: int):
     if name == "tiled":
         return TiledBackend(CPU, dim)
-    from engine.model.native_attention import NativeBackend
+    from engine.model.attention.native import NativeBackend
 
     return NativeBackend(kernels_or_skip())
 
@@ -128,7 +128,7 @@ def test_attention_rows_are_the_same_alone_chunked_batched_and_padded(dtype, win
 @pytest.mark.parametrize("window", [None, 40], ids=["causal", "window40"])
 def test_flex_attention_on_cuda_is_batch_invariant(window):
     """The CUDA path (FlexAttention, compiled by Triton): same property, fixed tiles, no split-KV."""
-    from engine.model.flex_attention import FlexBackend
+    from engine.model.attention.flex import FlexBackend
 
     cuda = torch.device("cuda")
     flex = FlexBackend(cuda, 128, 16, max_rows=2048, compile=True)
@@ -177,7 +177,7 @@ def test_attention_matches_a_float64_softmax(backend):
 def test_flex_attention_logic_is_batch_invariant_compiled_on_cpu():
     """The CUDA path's planning (one flex call for every request, every block masked-partial in logical
     order), compiled by inductor for CPU, where this suite can run it: batch-invariant as on CUDA."""
-    from engine.model.flex_attention import FlexBackend
+    from engine.model.attention.flex import FlexBackend
 
     flex = FlexBackend(CPU, 128, 16, max_rows=2048, compile=True)
     _check_attention_invariance(_Cache(torch.float32, dim=64, backend=flex))

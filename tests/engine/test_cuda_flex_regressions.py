@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.attention import AttentionMetadata, SdpaBackend
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.sdpa import SdpaBackend
 
 HEADS, KV_HEADS, DIM, BS = 9, 3, 64, 16  # SmolLM2-135M's attention
 
@@ -55,7 +56,7 @@ def _prefill(backend, k_cache, v_cache, table: list[int], length: int, seed: int
     ids=lambda x: str(x),
 )
 def test_flex_prefill_over_a_descending_table_matches_sdpa(num_blocks, length, lowest):
-    from engine.model.flex_attention import FlexBackend
+    from engine.model.attention.flex import FlexBackend
 
     cuda = torch.device("cuda")
     g = torch.Generator().manual_seed(0)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from engine.errors import ModelNotFoundError
-from engine.model import files, gguf_convert
-from engine.model.files import DEFAULT_MODEL_NAME, default_gguf_path, resolve_model
+from engine.model.loading import files, gguf_convert
+from engine.model.loading.files import DEFAULT_MODEL_NAME, default_gguf_path, resolve_model
 
 
 def test_default_model_is_found_and_converted_once(monkeypatch):

@@ -8,9 +8,10 @@ import pytest
 import torch
 from kernel_helpers import kernels_or_skip
 
-from engine.model import fused_ops
-from engine.model.invariance import isa_summary
-from engine.model.llama import RMSNorm, silu
+from engine.model.kernels import fused_ops
+from engine.model.kernels.invariance import isa_summary
+from engine.model.layers.activation import silu
+from engine.model.layers.norm import RMSNorm
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -101,7 +102,7 @@ def test_other_dtypes_take_the_models_torch_path():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_and_write_equals_the_models_torch_ops_bit_for_bit(dtype, dim):
     from engine.kv_store import write_slots
-    from engine.model.llama import apply_rope
+    from engine.model.layers.rotary import apply_rope
 
     t, h, hkv = 7, 9, 3
     qkv = torch.randn(t, (h + 2 * hkv) * dim).to(dtype)

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.model.files import default_gguf_path
-from engine.model.gguf_tensors import read_tensors
+from engine.model.loading.files import default_gguf_path
+from engine.model.loading.gguf_tensors import read_tensors
 
 
 @pytest.fixture(scope="module")

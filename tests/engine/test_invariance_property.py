@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model.invariance import isa_summary
+from engine.model.kernels.invariance import isa_summary
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ import pytest
 import torch
 from kernel_helpers import kernels_or_skip
 
-from engine.model import native_kernels
-from engine.model.invariance import isa_summary
-from engine.model.quant_linear import _GGUF_BLOCK, TYPE_NAMES, QuantLinear
+from engine.model.kernels import build as native_kernels
+from engine.model.kernels.invariance import isa_summary
+from engine.model.layers.quant_linear import _GGUF_BLOCK, TYPE_NAMES, QuantLinear
 
 LOWER = list(native_kernels.TIERS)
 BLOCK_QUANTS = {2, 3, 6, 7, 8}  # the 32-weight types gguf-py can quantize; the K-quants get random blocks
@@ -45,7 +45,7 @@ def _gguf_weights(tmp_path, ggml_type: int, out_f: int, in_f: int, seed: int):
     import gguf
     from gguf import quants
 
-    from engine.model.gguf_tensors import read_tensors
+    from engine.model.loading.gguf_tensors import read_tensors
 
     rng = np.random.default_rng(seed)
     if ggml_type in BLOCK_QUANTS:
@@ -135,8 +135,9 @@ def test_the_lower_tiers_give_each_other_the_same_bits():
 def test_the_elementwise_steps_have_the_native_builds_bits(tier, dtype, monkeypatch):
     """Every tier's add+RMSNorm, SiLU x up and RoPE + cache write: the bits of this CPU's own build (the
     AVX512 code where it has AVX512; the scalar code elsewhere does its arithmetic lane by lane)."""
-    from engine.model import fused_ops
-    from engine.model.llama import RMSNorm, silu
+    from engine.model.kernels import fused_ops
+    from engine.model.layers.activation import silu
+    from engine.model.layers.norm import RMSNorm
 
     norm = RMSNorm(200, 1e-5)
     norm.weight.data = torch.randn(200)
@@ -169,7 +170,7 @@ def test_the_elementwise_steps_have_the_native_builds_bits(tier, dtype, monkeypa
 def test_the_attention_matches_a_float64_reference_and_keeps_a_rows_bits(tier, dtype):
     from test_native_attention import TOL, Paged, _run
 
-    from engine.model.native_attention import NativeBackend
+    from engine.model.attention.native import NativeBackend
 
     backend = NativeBackend(tier)
     c = Paged((6, 2), 64, 16, dtype, seed=3)

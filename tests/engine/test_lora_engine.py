@@ -22,7 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.lora.layer import LoRALinear
 from engine.lora.peft_format import LoRAError
-from engine.model.quant_linear import QuantLinear
+from engine.model.layers.quant_linear import QuantLinear
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.lora.manager import LoRAManager
-from engine.model.loader import load_model
+from engine.model.loading.loader import load_model
 
 peft = pytest.importorskip("peft")
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.model.config import UnsupportedModelError, load_config, parse_config
 from engine.model.device import cpu_has_native_bf16, resolve_device, resolve_dtype
-from engine.model.loader import load_model
+from engine.model.loading.loader import load_model
 
 BASE = dict(
     architectures=["LlamaForCausalLM"],

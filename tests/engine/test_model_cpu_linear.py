@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model import invariance
-from engine.model.cpu_linear import PackedLinear, packing_supported
-from engine.model.invariance import row_multiple
-from engine.model.loader import load_model
+from engine.model.kernels import invariance
+from engine.model.kernels.invariance import row_multiple
+from engine.model.layers.linear import PackedLinear, packing_supported
+from engine.model.loading.loader import load_model
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(
@@ -131,7 +131,7 @@ def test_the_probe_warns_where_no_padding_helps(caplog):
 @needs_packing
 def test_default_model_packed_logits_match_unpacked(paged):
     from engine.errors import ModelNotFoundError
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
 
     try:
         path = resolve_model(None).path

@@ -15,8 +15,8 @@ import pytest
 import torch
 from attention_helpers import build_metadata
 
-from engine.model.flex_attention import Q_BLOCK, FlexBackend
-from engine.model.loader import load_model
+from engine.model.attention.flex import Q_BLOCK, FlexBackend
+from engine.model.loading.loader import load_model
 
 
 def _emulated_mask(backend: FlexBackend, plan, window: int | None) -> torch.Tensor:
@@ -96,9 +96,9 @@ def test_block_plan_equals_true_mask(seed, invariant):
 
 
 def test_cuda_kv_tiles_divide_the_block_and_suit_triton(monkeypatch):
-    from engine.model.attention import SdpaBackend
-    from engine.model.device import select_backend
-    from engine.model.flex_attention import cuda_kv_tile
+    from engine.model.attention.chooser import select_backend
+    from engine.model.attention.flex import cuda_kv_tile
+    from engine.model.attention.sdpa import SdpaBackend
 
     assert [cuda_kv_tile(bs) for bs in (16, 32, 48, 64, 128, 256)] == [16, 32, 16, 64, 64, 64]
     assert [cuda_kv_tile(bs) for bs in (1, 8, 24, 40)] == [None] * 4
@@ -176,7 +176,7 @@ def test_compiled_flex_on_cpu_matches_transformers(name, tiny_model, paged):
     ],
 )
 def test_cuda_flex_matches_transformers(name, dtype, tiny_model, paged):
-    from engine.model.device import select_backend
+    from engine.model.attention.chooser import select_backend
 
     tiny = tiny_model(name)
     dev = torch.device("cuda")
@@ -228,8 +228,8 @@ def test_cuda_loaded_model_runs_with_its_default_backend(tiny_model, paged):
 def test_flex_equals_sdpa_reference_on_random_batches(device, tiny_model, paged, monkeypatch):
     # Built the way the runner builds it (select_backend, compiled): on CPU this runs inductor's C++ flex
     # kernel over the very block masks and mask_mod the CUDA kernel gets, across steps of changing shapes.
-    from engine.model.attention import SdpaBackend
-    from engine.model.device import select_backend
+    from engine.model.attention.chooser import select_backend
+    from engine.model.attention.sdpa import SdpaBackend
 
     monkeypatch.setenv("BRINE_ATTENTION_BACKEND", "flex")
     tiny = tiny_model("qwen3")
@@ -264,7 +264,7 @@ def test_cuda_runner_default_model_answers_paris():
 
     from engine.config import EngineConfig
     from engine.errors import ModelNotFoundError
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
     from engine.model_runner import ModelRunner
     from engine.outputs import ScheduledRequest, SchedulerOutput
     from engine.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from engine.model.loader import load_model
+from engine.model.loading.loader import load_model
 
 TOL = dict(atol=2e-4, rtol=2e-4)
 

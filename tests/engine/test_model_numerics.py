@@ -17,8 +17,9 @@ from tiny_config import TINY
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.model.config import parse_config
-from engine.model.llama import RMSNorm, rope_inv_freq
-from engine.model.loader import load_model
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.rotary import rope_inv_freq
+from engine.model.loading.loader import load_model
 
 CPU = torch.device("cpu")
 # Llama 3.1's own RoPE settings: with head_dim 128, many frequencies fall inside the smoothing band.

@@ -292,7 +292,7 @@ def test_default_model_answers_paris_and_matches_transformers_generate():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.errors import ModelNotFoundError
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
 
     try:
         path = resolve_model(None).path

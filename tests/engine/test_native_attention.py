@@ -14,15 +14,15 @@ import pytest
 import torch
 from kernel_helpers import kernels_or_skip
 
-from engine.model.attention import AttentionMetadata
-from engine.model.invariance import isa_summary
+from engine.model.attention.base import AttentionMetadata
+from engine.model.kernels.invariance import isa_summary
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def native():
-    from engine.model.native_attention import NativeBackend
+    from engine.model.attention.native import NativeBackend
 
     return NativeBackend(kernels_or_skip())
 
@@ -164,8 +164,8 @@ def test_unsupported_shapes_are_refused_not_read_out_of_bounds(native):
 
 
 def test_without_the_kernels_cpu_falls_back_to_tiled_and_native_on_request_fails(monkeypatch, caplog):
-    from engine.model import device as dev
-    from engine.model import native_kernels
+    from engine.model.attention import chooser as dev
+    from engine.model.kernels import build as native_kernels
 
     native_kernels.load.cache_clear()
     monkeypatch.setenv("BRINE_NATIVE_KERNELS", "0")
@@ -182,8 +182,8 @@ def test_without_the_kernels_cpu_falls_back_to_tiled_and_native_on_request_fails
 
 
 def test_without_batch_invariance_cpu_keeps_the_native_kernel_and_sdpa_only_without_it(monkeypatch):
-    from engine.model import device as dev
-    from engine.model import native_kernels
+    from engine.model.attention import chooser as dev
+    from engine.model.kernels import build as native_kernels
 
     monkeypatch.delenv("BRINE_ATTENTION_BACKEND", raising=False)
     if native_kernels.load()[0] is None:
@@ -200,7 +200,7 @@ def test_without_batch_invariance_cpu_keeps_the_native_kernel_and_sdpa_only_with
 
 
 def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
-    from engine.model import native_kernels
+    from engine.model.kernels import build as native_kernels
 
     native_kernels.load.cache_clear()
     monkeypatch.setenv("CXX", "/nonexistent/g++")
@@ -214,7 +214,7 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
 
 def test_the_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     """A fresh cache builds once; a second load reuses the file; another source builds another file."""
-    from engine.model import native_kernels
+    from engine.model.kernels import build as native_kernels
 
     if native_kernels._compiler() is None:
         pytest.skip("no C++ compiler here")
@@ -245,7 +245,7 @@ def test_the_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
 def test_a_source_that_does_not_compile_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     """One source failing among several (they compile side by side) gives the compiler's message, and no
     library or temporary file is left in the cache."""
-    from engine.model import native_kernels
+    from engine.model.kernels import build as native_kernels
 
     if native_kernels._compiler() is None:
         pytest.skip("no C++ compiler here")

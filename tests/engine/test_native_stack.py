@@ -10,11 +10,10 @@ import pytest
 import torch
 from kernel_helpers import kernels_or_skip
 
-from engine.model import native_kernels
-from engine.model.invariance import isa_summary
-from engine.model.native_attention import NativeBackend
-from engine.model.native_stack import NativeStack
-from engine.model.quant_linear import (
+from engine.model.attention.native import NativeBackend
+from engine.model.kernels import build as native_kernels
+from engine.model.kernels.invariance import isa_summary
+from engine.model.layers.quant_linear import (
     GGML_Q4_0,
     GGML_Q4_1,
     GGML_Q5_0,
@@ -22,6 +21,7 @@ from engine.model.quant_linear import (
     GGML_Q8_0,
     QuantLinear,
 )
+from engine.model.models.native_stack import NativeStack
 
 KINDS = (GGML_Q4_1, GGML_Q8_0, GGML_Q4_0, GGML_Q5_0, GGML_Q5_1)
 LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
@@ -37,7 +37,7 @@ def _quantized_tiny(tiny_model, dtype: torch.dtype, kernels: native_kernels.Kern
     (Q4_0 for q and k, Q5_1 for v)."""
     from gguf import quants
 
-    from engine.model.loader import load_model
+    from engine.model.loading.loader import load_model
 
     model = load_model(tiny_model("llama").path, torch.device("cpu"), dtype, pack=False)
     cfg = model.cfg
@@ -91,8 +91,8 @@ def test_the_stack_gives_the_bits_of_the_layers_run_from_python(tiny_model, page
 def test_the_stack_steps_aside_where_a_piece_has_no_kernel(tiny_model, caplog):
     kernels = _kernels()
     from engine.config import EngineConfig
-    from engine.model.attention import SdpaBackend
-    from engine.model.loader import load_model
+    from engine.model.attention.sdpa import SdpaBackend
+    from engine.model.loading.loader import load_model
     from engine.model_runner import ModelRunner
 
     dense = load_model(tiny_model("llama").path, torch.device("cpu"), torch.float32)
@@ -117,7 +117,7 @@ def test_the_default_model_runs_its_layers_in_one_call_with_the_same_bits(dtype,
     _kernels()
     from engine.config import EngineConfig
     from engine.errors import ModelNotFoundError
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
     from engine.model_runner import ModelRunner
     from engine.outputs import ScheduledRequest, SchedulerOutput
     from engine.sampling_params import SamplingParams

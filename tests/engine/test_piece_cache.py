@@ -44,7 +44,7 @@ TENANT_B = CacheNamespace(tenant="b")
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    from engine.model.files import resolve_model
+    from engine.model.loading.files import resolve_model
 
     return Tokenizer(resolve_model(None).path)
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from kernel_helpers import kernels_or_skip
 
-from engine.model import native_kernels
-from engine.model.invariance import isa_summary
-from engine.model.quant_linear import GGML_Q4_1, GGML_Q8_0, QuantLinear
+from engine.model.kernels import build as native_kernels
+from engine.model.kernels.invariance import isa_summary
+from engine.model.layers.quant_linear import GGML_Q4_1, GGML_Q8_0, QuantLinear
 
 TYPES = {"Q4_1": GGML_Q4_1, "Q8_0": GGML_Q8_0}
 
@@ -120,7 +120,7 @@ def test_refuses_what_it_cannot_run():
 
 def test_a_cpu_without_the_kernel_keeps_dense_weights(monkeypatch, caplog, tmp_path):
     """Where the kernel is missing the loader dequantizes, and says so, instead of failing."""
-    from engine.model import loader
+    from engine.model.loading import quantize as loader
 
     kernels = _kernels()
     without = native_kernels.Kernels(kernels.path, kernels.paged_attention, None)
@@ -143,8 +143,8 @@ def test_the_default_model_runs_its_gguf_blocks_and_agrees_with_dequantized_weig
     """Every linear of the default model runs as stored (Q4_1 layers, a Q8_0 head), and its logits agree
     with the same model on dequantized float32 weights: exactly the weights transformers reads."""
     from engine.errors import ModelNotFoundError
-    from engine.model.files import resolve_model
-    from engine.model.loader import load_model
+    from engine.model.loading.files import resolve_model
+    from engine.model.loading.loader import load_model
 
     _kernels()
     try:

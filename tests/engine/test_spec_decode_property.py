@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model.invariance import isa_summary
+from engine.model.kernels.invariance import isa_summary
 from engine.sampling_params import SamplingParams
 from engine.spec_config import SpeculativeConfig
 from metrics.stats import IterationStats, SchedulerStats

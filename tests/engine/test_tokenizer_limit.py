@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine.errors import ContextLengthError
-from engine.model.files import resolve_model
+from engine.model.loading.files import resolve_model
 from engine.tokenizer import LONG_DECODE, Tokenizer
 from kv_cache.namespace import CacheNamespace
 

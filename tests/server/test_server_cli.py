@@ -10,7 +10,7 @@ import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-import engine.model.files as model_files
+import engine.model.loading.files as model_files
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from metrics.prometheus import PrometheusStatLogger

@@ -11,7 +11,7 @@ tokens is reading them.
 Invariance holds by construction, not by probing: a row's arithmetic depends only on its own query, its own
 visible keys and the block size (the kernel's header says how). Its numerics differ from the tiled
 backend's in the last bits (another summation order); both agree with transformers within the model tests'
-tolerances. Where the kernels cannot be built (no compiler), `device.select_backend` keeps the tiled one.
+tolerances. Where the kernels cannot be built (no compiler), `attention.chooser` keeps the tiled one.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.attention import AttentionMetadata
-from engine.model.native_kernels import DTYPE_CODES, Kernels
+from engine.model.attention.base import AttentionMetadata
+from engine.model.kernels.build import DTYPE_CODES, Kernels
 
 MAX_ITEM_TOKENS = 16  # query tokens of one request per work item: they share each block's conversion
 

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model.files import cache_dir
-from engine.model.invariance import cpu_flags
+from engine.model.kernels.invariance import cpu_flags
+from engine.model.loading.files import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -22,24 +22,18 @@ Where it applies: the model came from a GGUF (the converted directory names its 
 CPU, the dtype is bfloat16 or float32, and every part of a fused layer (q/k/v, gate/up) has one of the above
 types (not necessarily the same one), with whole blocks per row. Any other layer keeps the dense path.
 `brine serve --quantization none` (EngineConfig.quantization) turns it off: every layer is then dequantized to the model's dtype.
+Which layers of a model become QuantLinears is the loader's business (`loading.quantize`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from engine.model.config import ModelConfig
-from engine.model.gguf_convert import unpermute_rotary
-from engine.model.llama import LlamaForCausalLM
-from engine.model.native_kernels import FLOAT32_BF16_CODES, Kernels
-
-logger = logging.getLogger(__name__)
+from engine.model.kernels.build import FLOAT32_BF16_CODES, Kernels
 
 # GGML type ids (gguf.GGMLQuantizationType) the kernel runs, by name.
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
@@ -295,73 +289,3 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
-
-
-# Our fused module -> the GGUF tensors it is made of, in order (q/k rows need llama.cpp's permutation undone).
-_LAYER_PARTS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
-}
-
-
-def quantize_from_gguf(
-    model: LlamaForCausalLM, gguf_path: Path, cfg: ModelConfig, kernels: Kernels
-) -> QuantLinear | None:
-    """Replace each linear of `model` whose GGUF parts are all Q4_1 or all Q8_0 by a QuantLinear. Returns
-    the output head's QuantLinear for a tied head (the embedding lookup keeps its dense table), else None.
-    Layers of other types keep their dense weights (logged)."""
-    from engine.model.gguf_tensors import read_tensors  # the tensors only: see its docstring
-
-    tensors = read_tensors(gguf_path)
-    kept: list[str] = []
-
-    def build(names: list[str], module: nn.Linear, heads: dict[str, int]) -> QuantLinear | None:
-        parts = [tensors.get(f"{name}.weight") for name in names]
-        if any(t is None or not runs_as_stored(int(t.tensor_type), module.in_features) for t in parts):
-            kept.append(names[0])
-            return None
-        # Neighbouring parts of one type are one part (one kernel call); a type change starts another.
-        runs: list[tuple[int, list[np.ndarray]]] = []
-        for name, t in zip(names, parts, strict=True):
-            assert t is not None
-            kind = int(t.tensor_type)
-            raw = np.asarray(t.data).reshape(-1, row_bytes(kind, module.in_features))
-            suffix = name.rsplit(".", 1)[-1]
-            raw = unpermute_rotary(raw, heads[suffix]) if suffix in heads else raw
-            if runs and runs[-1][0] == kind:
-                runs[-1][1].append(raw)
-            else:
-                runs.append((kind, [raw]))
-        joined = [(kind, np.concatenate(raws)) for kind, raws in runs]
-        if sum(raw.shape[0] for _, raw in joined) != module.out_features:
-            kept.append(names[0])
-            return None
-        return QuantLinear.of_parts(kernels, joined, module.in_features, module.bias)
-
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    for i, layer in enumerate(model.layers):
-        for ours, parts in _LAYER_PARTS.items():
-            owner_name, attr = ours.split(".")
-            owner = getattr(layer, owner_name)
-            module = getattr(owner, attr)
-            if not isinstance(module, nn.Linear):
-                continue
-            quant = build([f"blk.{i}.{p}" for p in parts], module, heads)
-            if quant is not None:
-                setattr(owner, attr, quant)
-    head: QuantLinear | None = None
-    if isinstance(model.lm_head, nn.Linear):
-        quant = build(["output"], model.lm_head, {})
-        if quant is not None:
-            model.lm_head = quant  # type: ignore[assignment]
-    elif "output.weight" not in tensors:  # tied: the head is the embedding matrix
-        embed = model.embed_tokens
-        probe = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta")
-        head = build(["token_embd"], probe, {})
-    if kept:
-        logger.info(
-            "%d linears keep dense weights (types the kernel does not run), e.g. %s", len(kept), kept[0]
-        )
-    return head

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionMetadata
-from engine.model.invariance import row_multiple
+from engine.model.attention.base import AttentionMetadata
+from engine.model.kernels.invariance import row_multiple
 from engine.model.transfer import index_tensor, to_device
 
 KV_TILE = 64  # key positions per tile; part of the numerics (changing it changes results, not invariance)

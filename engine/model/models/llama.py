@@ -8,7 +8,6 @@ dtype, not just float32. q/k/v and gate/up are fused into one matmul each.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,68 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_store import write_slots
-from engine.model import fused_ops
-from engine.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
+from engine.model.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.attention.sdpa import SdpaBackend
 from engine.model.config import ModelConfig
+from engine.model.kernels import fused_ops
+from engine.model.layers.activation import silu
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.rotary import Rotary, apply_rope
 
 if TYPE_CHECKING:
-    from engine.model.native_stack import NativeStack
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[D / 2] inverse frequencies, with linear or llama3 scaling applied."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    p = cfg.rope
-    if cfg.rope_type == "linear":
-        inv = inv / p["factor"]
-    elif cfg.rope_type == "llama3":
-        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-        old_len = p["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv = torch.where(medium, smoothed, scaled)
-    return inv
-
-
-class Rotary:
-    """Rotate-half RoPE with a float32 cos/sin table for every position up to max_position_embeddings."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
-        self.cos = self.sin = torch.empty(0)
-
-    def build(self, device: torch.device) -> None:
-        # Not a buffer: the model is created on the meta device and this table is computed, not loaded.
-        pos = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, rope_inv_freq(self.cfg))  # [max_pos, D / 2]
-        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D / 2] in `dtype` (cast before multiplying, as transformers does). Once per step."""
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D], rotate-half layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    from engine.model.models.native_stack import NativeStack
 
 
 class Attention(nn.Module):
@@ -126,16 +73,6 @@ class Attention(nn.Module):
             write_slots(k_cache, v_cache, k, v, slot_mapping)
         o = backend.forward(q, k, v, k_cache, v_cache, plan, self.sliding_window, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """F.silu's math (float32, one rounding to x's dtype) from ops that round alike at every position.
-
-    F.silu's CPU kernel computes the last elements of each thread's share with scalar code, whose exp rounds
-    differently from the vectorised one, and where the shares split depends on the number of tokens: so a
-    token's activation could depend on the batch. torch.exp and IEEE division are the same everywhere."""
-    xf = x.float()
-    return (xf / (1 + torch.exp(-xf))).to(x.dtype)
 
 
 class MLP(nn.Module):

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.model.native_attention import NativeBackend, NativePlan
-from engine.model.native_kernels import FLOAT32_BF16_CODES, load
-from engine.model.quant_linear import QuantLinear
+from engine.model.attention.native import NativeBackend, NativePlan
+from engine.model.kernels.build import FLOAT32_BF16_CODES, load
+from engine.model.layers.quant_linear import QuantLinear
 
 _I64, _F64, _P = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 

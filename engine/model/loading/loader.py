@@ -16,14 +16,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.model.attention.chooser import default_backend
 from engine.model.config import ModelConfig, load_config
-from engine.model.cpu_linear import pack_linears, packing_supported
-from engine.model.device import default_backend
-from engine.model.gguf_convert import gguf_source
-from engine.model.invariance import NotInvariantError
-from engine.model.llama import LlamaForCausalLM
-from engine.model.native_kernels import load as load_kernels
-from engine.model.quant_linear import quantize_from_gguf
+from engine.model.kernels.build import load as load_kernels
+from engine.model.kernels.invariance import NotInvariantError
+from engine.model.layers.linear import pack_linears, packing_supported
+from engine.model.loading.quantize import quantizable_gguf, quantize_from_gguf
+from engine.model.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -154,22 +153,3 @@ def _dense_linears(model: LlamaForCausalLM) -> bool:
     """Whether any linear (or a tied head without its own copy) still runs as a plain torch matmul."""
     tied_plain = model.lm_head is None and model.packed_lm_head is None
     return tied_plain or any(isinstance(m, torch.nn.Linear) for m in model.modules())
-
-
-def quantizable_gguf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Path | None:
-    """The GGUF that `model_dir` was converted from, where its quantized weights can run as stored here:
-    on the CPU, in bfloat16 or float32, where Brine's kernels build (every CPU tier has the quantized linear).
-    None otherwise (logged)."""
-    source = gguf_source(model_dir)
-    if source is None or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
-        return None
-    kernels, why = load_kernels()
-    if kernels is None or kernels.quant_linear is None:
-        logger.warning(
-            "%s: its quantized weights are dequantized to %s: %s",
-            source.name,
-            dtype,
-            why or "these kernels have no quantized linear",
-        )
-        return None
-    return source

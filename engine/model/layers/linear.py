@@ -32,7 +32,7 @@ import functools
 import torch
 from torch import nn
 
-from engine.model.invariance import PROBE_ROWS, pad_rows, row_multiple, sensitize
+from engine.model.kernels.invariance import PROBE_ROWS, pad_rows, row_multiple, sensitize
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 # The output head is probed on fewer rows (it is 49152 x 576 for the default model): it runs one row per

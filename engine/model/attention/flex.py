@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata, SdpaBackend, SdpaPlan
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.sdpa import SdpaBackend, SdpaPlan
 from engine.model.transfer import index_tensor, to_device
 
 if TYPE_CHECKING:  # imported lazily at run time (see FlexBackend.__init__)

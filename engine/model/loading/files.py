@@ -97,7 +97,7 @@ def _from_gguf(gguf_path: Path, cache: Path) -> ModelFiles:
 
 def _converted(gguf_path: Path, cache: Path) -> Path:
     # Deferred import: resolving an HF directory must not pay for gguf/numpy imports.
-    from engine.model.gguf_convert import convert_gguf, converted_dir_for
+    from engine.model.loading.gguf_convert import convert_gguf, converted_dir_for
 
     target = converted_dir_for(gguf_path, cache)
     if not (target / "complete").is_file():

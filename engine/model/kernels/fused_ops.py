@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.native_kernels import FLOAT32_BF16_CODES, Elementwise, load
+from engine.model.kernels.build import FLOAT32_BF16_CODES, Elementwise, load
 
 
 def _native(x: torch.Tensor) -> Elementwise | None:  # None: the torch path

@@ -1,0 +1,2 @@
+"""The model's building blocks, each with its own fast path: `norm`, `activation`, `rotary`, `linear` (packed
+oneDNN linears) and `quant_linear` (GGUF blocks as stored). Nothing is imported here."""
