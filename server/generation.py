@@ -23,7 +23,7 @@ from engine.async_engine import EngineDeadError
 from engine.errors import ContextLengthError, PromptTokenError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputError
+from engine.structured_spec import StructuredOutputError, is_mask_budget_error
 from kv_cache.namespace import CacheNamespace
 from server.engine_client import EngineClient
 from server.errors import (
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("brine.server")
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
+MASK_BUDGET_CODE = "grammar_mask_budget_exceeded"  # a request its own grammar's mask cost failed
 
 
 def sse(obj: dict[str, Any]) -> str:
@@ -64,10 +65,16 @@ def engine_error(exc: BaseException) -> APIError:
     return APIError("The engine failed while generating.", status=500, type=SERVER_ERROR)
 
 
-def check_output(out: RequestOutput) -> None:
-    if out.error is not None:
-        logger.error("request %s failed in the engine: %s", out.request_id, out.error)
-        raise APIError("The engine failed while generating.", status=500, type=SERVER_ERROR)
+def check_output(out: RequestOutput, constraint: str | None = None) -> None:
+    """Raises for an output that carries the engine's error. A request failed by its own grammar (its masks
+    over the per-token budget) is the client's to fix: a 400 that says so, naming `constraint` (the field that
+    carried it); any other failure is a 500 that tells the client nothing of the engine's insides."""
+    if out.error is None:
+        return
+    if is_mask_budget_error(out.error):
+        raise bad_request(out.error, constraint or "response_format", code=MASK_BUDGET_CODE)
+    logger.error("request %s failed in the engine: %s", out.request_id, out.error)
+    raise APIError("The engine failed while generating.", status=500, type=SERVER_ERROR)
 
 
 class OutputStream:

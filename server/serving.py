@@ -144,7 +144,7 @@ class Generation(ABC):
         return sse_chunks(self._events(stream, include_usage), stream)
 
     def _outputs(self, prompt: int, out: RequestOutput) -> list[CompletionOutput]:
-        check_output(out)
+        check_output(out, self.prepared.constraint)
         self.cached[prompt] = max(self.cached[prompt], out.num_cached_tokens)
         self.num_tokens += sum(len(c.token_ids) for c in out.outputs)
         return out.outputs
