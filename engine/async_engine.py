@@ -166,11 +166,11 @@ class AsyncEngine:
             default_torch_threads(),
             "" if config.threads is not None else " (torch's default; --threads sets it)",
         )
-        hooks = [h for h in (getattr(s, "observe_grammar_compile", None) for s in config.stat_loggers) if h]
+        stat_loggers = list(config.stat_loggers)
 
         def on_compile(seconds: float) -> None:
-            for hook in hooks:
-                hook(seconds)
+            for stat_logger in stat_loggers:
+                stat_logger.observe_grammar_compile(seconds)
 
         grammars: GrammarCompiler | None = None
         try:

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats, StatLogger
 
 logger = logging.getLogger("brine.metrics")
 
@@ -69,7 +69,7 @@ class CacheHitWindow:
         return self.hits / self.queries if self.queries else None
 
 
-class LoggingStatLogger:
+class LoggingStatLogger(StatLogger):
     """A `StatLogger` that accumulates each step; a timer thread logs one line per `interval` while busy.
 
     The line comes from a timer, not from `record()`: the engine does not step while idle, and on a slow CPU one

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 
 from kv_cache.stats import PrefixCacheStats
-from metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats, StatLogger
 
 # Pre-created so every reason is exported as 0 before the first request finishes: a scraper computing
 # rate() needs the series to exist before it increments.
@@ -57,7 +57,7 @@ def token_buckets(max_tokens: int = 131072) -> tuple[float, ...]:
 KV_TIERS = ("pool", "host", "disk")  # where a prefix-cache hit's KV came from (engine.kv_tiers)
 
 
-class PrometheusStatLogger:
+class PrometheusStatLogger(StatLogger):
     """A `StatLogger` that keeps Prometheus metrics; `render()` serves them."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:

@@ -100,7 +100,20 @@ class IterationStats:
 
 
 class StatLogger(Protocol):
-    """Called by the engine after every step, and after a prefix-cache reset (the engine may then stay idle,
-    with no step to refresh the gauges). Never two calls at once: the engine makes them under its core lock."""
+    """What the engine calls on every stat logger, directly (no hook is looked up by name).
+
+    `record`: after every step, and after a prefix-cache reset (the engine may then stay idle, with no step to
+    refresh the gauges). Never two calls at once: the engine makes them under its core lock.
+
+    The other hooks report events outside a step, each from the thread where it happened, so an
+    implementation must take them thread-safely. They do nothing unless overridden: a logger that subclasses
+    this Protocol inherits the no-ops and defines only what it exports."""
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+
+    def count_structured_output(self, kind: str) -> None:
+        """One request with an output constraint of `kind` (engine.structured_output.KINDS), from the
+        server's event loop."""
+
+    def observe_grammar_compile(self, seconds: float) -> None:
+        """One grammar compiled (a cache miss), from the thread that compiled it."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, TokenLogprob
+from metrics.stats import StatLogger
 
 NextToken = Callable[[list[int], int, int | None], int]  # (context, num_prompt_tokens, seed) -> token
 
@@ -116,7 +117,7 @@ class ByteTokenizer:
 
 
 @dataclass
-class RecordingLogger:
+class RecordingLogger(StatLogger):
     records: list = field(default_factory=list)
 
     def record(self, scheduler_stats, iteration_stats) -> None:

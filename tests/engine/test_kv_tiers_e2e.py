@@ -19,7 +19,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
-from metrics.stats import IterationStats, SchedulerStats
+from metrics.stats import IterationStats, SchedulerStats, StatLogger
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ DOC = [(7 * i + 1000) % 30000 + 200 for i in range(320)]  # a "secret" prompt: i
 SALT = CacheNamespace(salt="salt-a")
 
 
-class TierHits:
+class TierHits(StatLogger):
     """A stat logger summing the prefix-cache hits by tier."""
 
     def __init__(self) -> None:
