@@ -55,7 +55,8 @@ class EngineConfig:
     max_retained_fraction: float = 0.5
     # Structured outputs (engine.structured_output, engine.grammar_sandbox): compiles run in this many worker
     # processes at once, each at most this long (seconds); compiled grammars are kept up to this many bytes;
-    # a grammar whose mask costs more CPU per token than this is refused, or its sequence fails.
+    # a request whose grammar masks (its n sequences together) cost more CPU per token than this is refused,
+    # or fails.
     grammar_compile_workers: int = 2
     grammar_compile_timeout: float = 10.0
     grammar_cache_memory: int = 256 * 1024 * 1024

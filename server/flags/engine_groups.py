@@ -286,6 +286,7 @@ def add_structured_output_flags(s: argparse.ArgumentParser) -> None:
         type=types.positive_float,
         default=10.0,
         metavar="MS",
-        help="CPU time one token's grammar mask may cost: a constraint over it from the first token is a "
-        "400, and a sequence whose mask grows past it fails alone (default: %(default)s)",
+        help="CPU time one token's grammar masks may cost a request (its n sequences together): a "
+        "constraint over it from the first token is a 400, and a request whose masks grow past it fails "
+        "alone, with an error naming the budget (default: %(default)s)",
     )
