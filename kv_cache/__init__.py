@@ -6,7 +6,8 @@ the KV pages live with the runner, in `engine.kv_store`.
 
 from kv_cache.block_pool import BlockPool
 from kv_cache.hashing import HASH_ALGOS, BlockHash, BlockHasher, get_hash_fn, init_none_hash
-from kv_cache.manager import CacheRequest, ComputedBlocks, KVCacheManager, TailHit
+from kv_cache.lookup import CacheRequest, ComputedBlocks, TailHit
+from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, PublicPrefixes
 from kv_cache.stats import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, PrefixCacheStats
 

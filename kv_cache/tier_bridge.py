@@ -22,11 +22,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kv_cache.block_pool import BlockPool
+from kv_cache.lookup import CacheRequest, ComputedBlocks
 from kv_cache.tiers import LoadPlan, NamespaceKeys, TierBlock, TierLookup
 
 if TYPE_CHECKING:
     from kv_cache.hashing import BlockHasher
-    from kv_cache.manager import CacheRequest, ComputedBlocks
 
 
 def block_namespace(hasher: BlockHasher, index: int) -> NamespaceKeys:
