@@ -81,9 +81,9 @@ def _penalize_touched(
     """`Sampler._apply_penalties` on the CPU, on the logits it changes only: each (row, token) that was output
     (the first n_out of `pairs`, [2, n]: row in the penalised subset, token) or seen, once, with the same
     element-wise arithmetic as the whole-row version, so the same bits. The whole-row version builds five
-    [rows, vocab] tensors; with this (and each row's tokens as one tensor), 16 streams with a repetition penalty
-    over 1,000-token prompts decode 1.05x faster (decode_bench --repetition-penalty 1.1 --baseline). On CUDA
-    the whole-row version stays: the unique below would cost a device sync."""
+    [rows, vocab] tensors, whose cost grows with the vocabulary; this one's grows with the tokens a row has
+    seen (`benchmarks/decode_bench.py --repetition-penalty` measures it). On CUDA the whole-row version
+    stays: the unique below would cost a device sync."""
     vocab = logits.shape[1]
     # (subset row, token) pairs, flattened and made unique; each one's logit in the whole batch's
     touched, which = torch.unique(pairs[0] * vocab + pairs[1], return_inverse=True)
@@ -172,8 +172,8 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
         if not rows:
             return logits
-        # Each row's tokens as a tensor of its own (a whole context through Python lists cost ~3.7 ms a step
-        # for 16 rows of 2,000 tokens): the output tokens, and for a repetition penalty every token.
+        # Each row's tokens as a tensor of its own (a whole context through Python lists costs a Python object
+        # per token, every step): the output tokens, and for a repetition penalty every token.
         outs = [_ids(reqs[i].all_token_ids[reqs[i].num_prompt_tokens :]) for i in rows]
         seens = [
             _ids(reqs[i].all_token_ids if reqs[i].sampling_params.repetition_penalty != 1.0 else [])
@@ -257,9 +257,8 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         # Inverse CDF: one uniform u per row; the token is the first whose cumulative probability exceeds
         # u x the row's total. A token of probability 0 adds nothing to the sum, so it is never the first to
-        # exceed it. One number per row, where an exponential race (argmax p / E, E ~ Exp(1) per token) drew
-        # 49,152 per row: 0.2 ms a row on a 2-core CPU, 17% of a 16-row decode step; the cumulative sum costs
-        # ~0.025 ms. Row by row (torch sums each row on its own, in order), so a row's token depends only on
+        # exceed it. One number per row, where an exponential race (argmax p / E, E ~ Exp(1) per token) draws
+        # one per vocabulary entry, which costs far more than the cumulative sum. Row by row (torch sums each row on its own, in order), so a row's token depends only on
         # its own logits and noise, whatever the batch.
         u = torch.empty(len(params), 1, dtype=probs.dtype, device=probs.device)
         seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None]
@@ -273,8 +272,8 @@ class Sampler:
 
 # Candidates a top-p row is first cut from: its most likely tokens. A row they do not cover is cut from 16x as
 # many, then from its whole sorted row, with the same arithmetic, so the cut never depends on which way it was
-# found. With the default model, 16 rows at top_p 0.9 took 3.4 ms a step at temperature 0.8 (most covered), 4.4
-# at 1.0 (some need the 16x), 28 at 1.5 (most sorted whole, as every row was before: 25 at 0.8).
+# found. At usual temperatures most rows' top-p mass lies in these few candidates; at high temperatures the
+# mass spreads and more rows fall back to the wider cuts, down to the whole sort every row once paid.
 TOP_P_CANDIDATES = 256
 
 
@@ -288,8 +287,8 @@ def top_k_top_p(
     ranks the kept tokens' probabilities, largest first, and keeps each token whose higher-ranked mass is still
     below p (so the first always), then every token as likely as the last one kept: both cuts are thresholds
     on values, so tied tokens are kept or dropped together and the order a sort gives ties changes nothing.
-    A full sort of a 49,152-token row took ~3.5 ms on a 2-core CPU (twice a decode step); the k or
-    TOP_P_CANDIDATES largest ~0.14 ms. On CUDA rows are sorted whole (no host sync to find uncovered rows)."""
+    A full sort of a vocabulary-wide row costs more on a CPU than the rest of a decode step; the k or
+    TOP_P_CANDIDATES largest cost a small fraction of it. On CUDA rows are sorted whole (no host sync to find uncovered rows)."""
     n, vocab = logits.shape
     k_rows = [k for k in top_k if k < vocab]
     p_rows = [i for i, p in enumerate(top_p) if p < 1.0]
