@@ -157,7 +157,7 @@ def test_readme_messages_example_runs(brine_server: BrineServer) -> None:
     code = code.replace('"tenant-7"', f'"{uuid.uuid4().hex}"')  # cold the first time, whatever ran before
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})  # our own README, on purpose
+        exec(compile(code, "docs/messages.md", "exec"), {})  # our own docs, on purpose
     counts = [tuple(map(int, line.split())) for line in out.getvalue().splitlines() if re.fullmatch(r"\d+ \d+ \d+", line)]  # fmt: skip
     (created, read, rest), (created2, read2, rest2) = counts
     assert created > 0 and read == 0 and rest > 0
