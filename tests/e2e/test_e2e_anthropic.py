@@ -149,7 +149,7 @@ def test_langchain_chat_anthropic_invoke_and_stream(brine_server: BrineServer) -
 
 
 def test_readme_messages_example_runs(brine_server: BrineServer) -> None:
-    section = (ROOT / "README.md").read_text().split("## Anthropic's Messages API", 1)[1]
+    section = (ROOT / "docs" / "messages.md").read_text().split("# Anthropic's Messages API", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
     assert 'base_url="http://127.0.0.1:8000"' in code and 'api_key="unused"' in code
     code = code.replace("http://127.0.0.1:8000", brine_server.base_url)
