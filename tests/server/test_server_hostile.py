@@ -240,8 +240,8 @@ def test_every_prompt_of_one_request_has_the_same_owner_for_fair_scheduling(
     assert len(set(owners[:3])) == 1 and owners[3] not in owners[:3] and None not in owners
 
 
-def test_the_readme_documents_every_limit_flag_with_its_default() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_serve_flags_page_documents_every_limit_flag_with_its_default() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "serve-flags.md").read_text()
     parser = cli.build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     for action in serve._actions:

@@ -1,4 +1,4 @@
-"""What README's replicas section says about routing by `prompt_cache_key`, checked against vllm-router itself:
+"""What docs/replicas.md says about routing by `prompt_cache_key`, checked against vllm-router itself:
 its `consistent_hash` policy does not read the field from a body (requests that share a key but not their
 text land on different replicas), and the header recipe (`X-Session-ID` copied from the key) pins a key to one
 replica. The replicas are Brine's app over the fake engine (no model is loaded): what is tested is the router.
