@@ -5,10 +5,10 @@ Why: a structured-output row's mask (xgrammar's `fill_next_token_bitmask`, which
 filled on the step thread after the forward, so every request in the batch waited for it: beside one stream
 whose grammar is ambiguous, each step paid its mask on top of the forward. Here the runner starts the fill
 before the forward (`MaskFiller.filling`) and the sampler waits for it only when it needs the masks, as vLLM
-fills bitmasks while the forward runs. What a mask may cost is bounded apart (engine.structured_output: a
+fills bitmasks while the forward runs. What a mask may cost is bounded apart (engine.grammar_state: a
 grammar over the per-token budget is refused, or its request fails).
 
-Imports engine.structured_output (the matchers it fills) and engine.outputs (the step's rows), both for types
+Imports engine.grammar_state (the matchers it fills) and engine.outputs (the step's rows), both for types
 only; neither imports this module.
 
 Rule kept: the fill ends before the step does (`filling` waits for it on exit, whatever happened), so a
@@ -29,8 +29,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from engine.grammar_state import GrammarState
     from engine.outputs import ScheduledRequest
-    from engine.structured_output import GrammarState
 
 
 @dataclass(slots=True)

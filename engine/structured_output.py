@@ -1,5 +1,5 @@
 """Structured outputs: compiling a constraint (JSON schema, JSON object, regex, choice, EBNF grammar) into a
-grammar, cached per cache namespace, and one matcher per sequence whose masks the sampler applies.
+grammar, cached per cache namespace, for the matchers (engine.grammar_state) whose masks the sampler applies.
 
 Engine: xgrammar, measured against llguidance on this 2-core CPU with the default model's 49k vocabulary
 (`python -m benchmarks.grammar_engines`, a nested schema, 43 output tokens): mask + accept per token 2.2 us
@@ -8,10 +8,11 @@ The per-token mask runs beside every step for every constrained row, while compi
 the step thread, and is cached: so the per-token cost decides. xgrammar is also vLLM's and SGLang's default, so
 schemas behave as their users expect.
 
-Where the rest lives: the spec and its errors in engine.structured_spec, the compile steps shared with the
-sandbox's workers in engine.grammar_compile, the killable trial compiles in engine.grammar_sandbox, the filling
-of a step's masks beside the forward and their application to the logits in engine.grammar_masks (which
-imports this module; nothing here imports it).
+Where the rest lives, each importing only the ones before it: the spec and its errors in
+engine.structured_spec, the compile steps shared with the sandbox's workers in engine.grammar_compile, a
+sequence's matcher and its request's mask budget in engine.grammar_state, the killable trial compiles in
+engine.grammar_sandbox, this module's compiler and cache, then the filling of a step's masks beside the forward
+and their application to the logits in engine.grammar_masks (nothing here imports it).
 
 Rules a caller keeps:
 - `GrammarCompiler.compile()` is thread-safe and may take long: call it off the engine thread (the async
@@ -22,16 +23,9 @@ Rules a caller keeps:
   (`forget`), as it forgets their KV blocks and tokenizer pieces.
 - The cache is bounded by the bytes its grammars hold (xgrammar's `memory_size_bytes`: a 20,000-value enum
   compiles to ~105 MB), least recently used first out; a grammar bigger than the whole cache is refused.
-- The mask budget (`mask_budget_s`, CPU time per token) is a request's own: what the masks of all its n
-  sequences cost for one token, never shared with or spent by another request, so only a request's own grammar
-  decides whether it is refused or failed. Every compiled grammar's first mask is timed before it is handed
-  out: one over the budget is refused (the client's 400), and so is a request whose n sequences' first masks
-  together are (`check_sequences`). A request whose masks go over the budget later (grammars whose cost grows
-  with the output: ambiguous EBNF) fails on its next token (`MaskBudget`, `GrammarTooSlowError`).
-- A `GrammarState` belongs to one sequence; `accept()` is called once per generated token, in order (the
-  request calls it as its tokens grow), and `fill_mask()` only between two accepts (engine.grammar_masks fills
-  it on its own thread while the forward runs, and the runner waits for it before the step ends). A
-  preemption recomputes KV, never tokens, so the state stays valid across it.
+- Every compiled grammar's first mask is timed (CPU time) before it is handed out: one over the per-token
+  budget (`mask_budget_s`) is refused, the client's 400. The budget is a request's own, its n sequences'
+  masks together, and what happens past it is engine.grammar_state's (`MaskBudget`, `GrammarState`).
 - The constraint covers generated tokens only: prompts and the prefix cache never see it.
 """
 
@@ -41,10 +35,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.grammar_compile import check_mask_cost, compile_failure, compile_spec, over_budget, tokenizer_info
+from engine.grammar_compile import check_mask_cost, compile_failure, compile_spec, tokenizer_info
+from engine.grammar_state import (
+    MASK_STRIKES,
+    CompiledGrammar,
+    GrammarState,
+    MaskBudget,
+    check_sequences,
+    grammar_states,
+)
 from engine.structured_spec import (
     GrammarTooSlowError,
     StructuredOutputError,
@@ -54,8 +55,6 @@ from engine.structured_spec import (
 from kv_cache.namespace import CacheNamespace, Owner
 
 if TYPE_CHECKING:
-    import torch
-
     from engine.grammar_sandbox import CompileSandbox
 
 # The names callers of structured outputs know this module by (defined below it, so that holding a spec or
@@ -64,6 +63,7 @@ __all__ = [
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarState",
+    "MASK_STRIKES",
     "GrammarTooSlowError",
     "MaskBudget",
     "StructuredOutputError",
@@ -75,113 +75,6 @@ __all__ = [
 
 CACHE_BYTES = 256 * 1024 * 1024
 MASK_BUDGET_S = 0.010  # CPU time of one token's masks; typical schemas take 0.002-0.2 ms
-# Consecutive tokens over the budget before a request fails: one slow fill may be a page fault.
-MASK_STRIKES = 2
-
-
-@dataclass(frozen=True, slots=True)
-class CompiledGrammar:
-    spec: StructuredOutputSpec
-    compiled: Any  # xgrammar.CompiledGrammar
-    mask_budget_s: float = float("inf")
-    memory_bytes: int = 0
-    first_mask_s: float = 0.0  # CPU time of its first token's mask, when it was compiled
-
-
-class MaskBudget:
-    """One request's per-token mask budget, shared by the `GrammarState`s of its n sequences: what their masks
-    cost for the same token position is summed, so n sequences of one grammar spend one budget, and nothing of
-    another request's."""
-
-    __slots__ = ("_spent", "budget_s", "sequences")
-
-    def __init__(self, budget_s: float, sequences: int = 1) -> None:
-        self.budget_s = budget_s
-        self.sequences = sequences
-        self._spent: dict[int, float] = {}  # token position -> CPU seconds of its sequences' masks there
-
-    def charge(self, position: int, seconds: float) -> float:
-        """Adds one sequence's mask at `position`; returns the request's cost at that position so far."""
-        total = self._spent.get(position, 0.0) + seconds
-        self._spent[position] = total
-        # Sequences step together; one preempted may lag by a token or two. Older positions are done.
-        for old in [p for p in self._spent if p < position - 2]:
-            del self._spent[old]
-        return total
-
-    def spent(self, position: int) -> float:
-        """The request's mask cost at `position` so far (CPU seconds)."""
-        return self._spent.get(position, 0.0)
-
-
-class GrammarState:
-    """One sequence's position in its grammar, and what its masks cost (CPU seconds, on the filling thread),
-    charged to its request's `MaskBudget`."""
-
-    __slots__ = ("_charged", "_matcher", "budget", "last_fill_s", "position", "rejected", "strikes")
-
-    def __init__(self, grammar: CompiledGrammar, budget: MaskBudget | None = None) -> None:
-        import xgrammar as xgr
-
-        self._matcher = xgr.GrammarMatcher(grammar.compiled)
-        self.rejected = False  # a token the grammar refused was appended (only if the mask was bypassed)
-        self.budget = budget if budget is not None else MaskBudget(grammar.mask_budget_s)
-        self.position = 0  # tokens accepted
-        self.last_fill_s = 0.0
-        self._charged = (-1, 0.0)  # (position, seconds) this state last charged to the budget
-        self.strikes = 0  # consecutive tokens whose request's masks went over the budget
-
-    @property
-    def budget_s(self) -> float:
-        return self.budget.budget_s
-
-    def accept(self, token_id: int) -> None:
-        """Raises GrammarTooSlowError (after accepting) once MASK_STRIKES tokens in a row went over budget:
-        the caller (the scheduler's update) fails this sequence, and with it its request."""
-        if self.rejected or self._matcher.is_terminated():
-            return
-        if not self._matcher.accept_token(token_id):
-            self.rejected = True
-        self.position += 1
-        if self.strikes >= MASK_STRIKES:
-            spent = self.budget.spent(self.position - 1)
-            raise GrammarTooSlowError(spent, self.budget_s, self.budget.sequences)
-
-    @property
-    def active(self) -> bool:
-        """False once the grammar is finished (stop token accepted) or broken: no mask applies any more."""
-        return not self.rejected and not self._matcher.is_terminated()
-
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        # CPU time, not wall time: a fill that waited for a core (2 cores, a forward beside it) is not slow.
-        start = time.thread_time()
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-        self.last_fill_s = time.thread_time() - start
-        # Filled again at the same position (the sampler's fallback): the new cost replaces the old one.
-        pos, before = self._charged
-        extra = self.last_fill_s - (before if pos == self.position else 0.0)
-        self._charged = (self.position, self.last_fill_s)
-        spent = self.budget.charge(self.position, extra)
-        self.strikes = self.strikes + 1 if spent > self.budget_s else 0
-
-
-def grammar_states(grammar: CompiledGrammar | None, sequences: int) -> list[GrammarState | None]:
-    """The matchers of one request's `sequences` sequences, sharing the request's one mask budget (all None
-    for an unconstrained request)."""
-    if grammar is None:
-        return [None] * sequences
-    budget = MaskBudget(grammar.mask_budget_s, sequences)
-    return [GrammarState(grammar, budget) for _ in range(sequences)]
-
-
-def check_sequences(grammar: CompiledGrammar, sequences: int) -> CompiledGrammar:
-    """`grammar` for a request of `sequences` sequences; StructuredOutputError (a 400) if their first masks
-    together are over the per-token budget: the request would fail on its first tokens."""
-    if grammar.first_mask_s * sequences > grammar.mask_budget_s:
-        raise over_budget(grammar.spec, grammar.first_mask_s, grammar.mask_budget_s, sequences)
-    return grammar
-
-
 _Key = tuple[CacheNamespace | None, StructuredOutputSpec]
 
 

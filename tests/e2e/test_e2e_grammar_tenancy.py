@@ -1,7 +1,7 @@
 """Compiled grammars per cache namespace, through a real `brine serve`: the same schema compiles once per
 namespace (never a cache hit for another salt, so its answer time cannot tell that another tenant sent it),
-a reset forgets it; and a grammar whose mask grows past the per-token budget fails its own request while a
-request beside it is answered and the server stays healthy; a compile over --grammar-compile-timeout is a 400
+a reset forgets it; and a grammar whose mask grows past the per-token budget fails its own request (a 400
+that names the budget) while a request beside it is answered and the server stays healthy; a compile over --grammar-compile-timeout is a 400
 naming the field that carried the schema."""
 
 from __future__ import annotations
@@ -81,7 +81,11 @@ async def test_a_grammar_over_the_mask_budget_fails_alone(brine_server: BrineSer
         )
         slow_r, innocent_r = await asyncio.gather(slow, innocent)
         assert innocent_r.status_code == 200, innocent_r.text
-        assert slow_r.status_code >= 400, slow_r.text[:300]  # failed on its own, never 400 tokens of it
+        # Failed on its own, never 400 tokens of it, and told why: its grammar, named by its field.
+        assert slow_r.status_code == 400, slow_r.text[:300]
+        err = slow_r.json()["error"]
+        assert err["code"] == "grammar_mask_budget_exceeded" and err["param"] == "guided_grammar"
+        assert "per-token mask budget" in err["message"]
         health = await http.get("/health")
         assert health.status_code == 200
         again = await http.post(

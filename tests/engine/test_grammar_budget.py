@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import xgrammar as xgr
 
-from engine import grammar_compile, structured_output
+from engine import grammar_compile, grammar_state
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -58,7 +58,7 @@ def test_n_sequences_spend_one_budget_and_fail_together_while_a_lone_one_goes_on
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     grammar = GrammarCompiler(_info(), mask_budget_s=BUDGET_S).compile(LETTERS)
-    _fake_cpu_clock(structured_output, monkeypatch)
+    _fake_cpu_clock(grammar_state, monkeypatch)
     core = EngineCore(MaskingRunner(next_token=scripted("a" * 64)), ByteTokenizer(), EngineConfig())
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     core.add_request("lone", [1, 2, 3], params, grammar=grammar)

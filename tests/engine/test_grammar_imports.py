@@ -1,7 +1,8 @@
-"""The structured-output modules import one way (issue 34): spec -> compile steps -> sandbox -> compiler ->
-mask filling, with `SamplingParams` and the step records on the spec's side only. Every import counts, those
-under TYPE_CHECKING and those inside functions too: an import moved into a function hides a cycle from
-Python, not from the next reader."""
+"""The structured-output modules import one way (issue 34). From the top: the mask filling (grammar_masks)
+and the compiler (structured_output) -> a sequence's grammar state and the sandbox -> the compile steps ->
+the spec and its errors (structured_spec), with `SamplingParams` and the step records on the spec's side only.
+Every import counts, those under TYPE_CHECKING and those inside functions too: an import moved into a
+function hides a cycle from Python, not from the next reader."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OURS = {
     "engine.structured_spec",
     "engine.grammar_compile",
+    "engine.grammar_state",
     "engine.grammar_sandbox",
     "engine.structured_output",
     "engine.grammar_masks",
@@ -64,8 +66,10 @@ def test_the_layers_point_down() -> None:
     assert OURS <= set(graph)
     assert graph["engine.structured_spec"] == set()  # holding a spec imports nothing of the engine
     assert graph["engine.grammar_compile"] == {"engine.structured_spec"}
+    assert graph["engine.grammar_state"] == {"engine.structured_spec", "engine.grammar_compile"}
     assert graph["engine.grammar_sandbox"] == {"engine.structured_spec", "engine.grammar_compile"}
+    assert graph["engine.grammar_masks"] == {"engine.grammar_state", "engine.outputs"}
     assert graph["engine.sampling_params"] <= {"engine.structured_spec"}
-    for below in ("engine.structured_output", "engine.grammar_sandbox", "engine.sampling_params"):
+    for below in ("engine.structured_output", "engine.grammar_state", "engine.grammar_sandbox"):
         assert "engine.grammar_masks" not in graph[below]
         assert "engine.outputs" not in graph[below]
