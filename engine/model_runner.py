@@ -90,7 +90,7 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             batch_invariant=batch_invariant,
         )
-        self.sampler = Sampler(self.device, cfg.vocab_size, cfg.eos_token_ids)
+        self.sampler = Sampler(self.device, cfg.vocab_size)  # EOS ids come with each request (the scheduler's)
         self.grammar_masks = MaskFiller(cfg.vocab_size)
         # Adapters add their deltas from Python (engine.lora.layer), which the native stack would skip: with
         # --enable-lora every step runs the Python layers, so a base row's bits never depend on its neighbours.

@@ -58,6 +58,10 @@ class ScheduledRequest:
     # The request's LoRA adapter (engine.lora.manager.LoRAAdapter), None for the base model: the runner adds
     # its deltas to this request's rows.
     lora: Any = None
+    # The engine's one EOS set (the scheduler's, from `engine.tokenizer.Tokenizer.eos_token_ids`): the
+    # tokens that end this request, which the sampler masks while it is short of min_tokens. One set for
+    # both, so a token can never be masked as an EOS yet not stop, nor stop yet slip through min_tokens.
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)

@@ -114,10 +114,9 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device = device
         self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
         self._generator = torch.Generator(device=device)  # re-seeded per seeded row
 
     def __call__(
@@ -211,7 +210,8 @@ class Sampler:
     def _apply_min_tokens(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest], constrained: set[int]
     ) -> torch.Tensor:
-        """Masks the stop tokens of rows still short of min_tokens. A constrained row whose grammar allows
+        """Masks the stop tokens of rows still short of min_tokens: its stop_token_ids and, unless it ignores
+        EOS, the EOS ids the scheduler stops it on (`ScheduledRequest.eos_token_ids`). A constrained row whose grammar allows
         nothing but a stop token keeps it: the grammar wins, so the output ends complete and short
         (finish "stop"), where masking would leave the row nothing to sample."""
         rows: list[int] = []
@@ -219,7 +219,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
-                stop_set = p.stop_token_set if p.ignore_eos else p.stop_token_set.union(self.eos_token_ids)
+                stop_set = p.stop_token_set if p.ignore_eos else p.stop_token_set.union(r.eos_token_ids)
                 stop = [t for t in stop_set if 0 <= t < logits.shape[1]]
                 rows += [i] * len(stop)
                 toks += stop

@@ -408,6 +408,7 @@ class Scheduler:
             grammar=req.grammar,
             draft_token_ids=drafts or [],
             lora=req.lora,
+            eos_token_ids=self.eos_token_ids,
         )
 
     # ---- state -----------------------------------------------------------------------------------------

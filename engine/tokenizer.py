@@ -179,22 +179,36 @@ class Tokenizer:
         return text if isinstance(text, str) else str(text)
 
     def _find_eos_ids(self) -> set[int]:
-        """EOS ids: the tokenizer's own plus generation_config.json's (an int or a list)."""
+        """The engine's one EOS set, as vLLM makes it: the tokenizer's EOS plus the generation config's
+        `eos_token_id` (an int or a list): generation_config.json's, or config.json's where there is no
+        readable generation_config.json (as transformers' `GenerationConfig.from_model_config`). The scheduler
+        stops on these and the sampler masks them under min_tokens (`ScheduledRequest.eos_token_ids`)."""
         ids: set[int] = set()
         if self.hf.eos_token_id is not None:
             ids.add(int(self.hf.eos_token_id))
-        gen_config = self.path / "generation_config.json"
-        if gen_config.is_file():
-            try:
-                eos = json.loads(gen_config.read_text()).get("eos_token_id")
-            except (OSError, json.JSONDecodeError) as exc:
-                logger.warning("ignoring unreadable %s: %s", gen_config, exc)
-                eos = None
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(int(i) for i in eos)
+        eos = self._config_value("generation_config.json", "eos_token_id")
+        if eos is _MISSING:
+            eos = self._config_value("config.json", "eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(i) for i in eos if isinstance(i, int))
         return ids
+
+    def _config_value(self, name: str, key: str) -> Any:
+        """`key` of the model directory's JSON file `name`; _MISSING when the file is absent or unreadable."""
+        path = self.path / name
+        if not path.is_file():
+            return _MISSING
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            logger.warning("ignoring unreadable %s: %s", path, exc)
+            return _MISSING
+        return config.get(key) if isinstance(config, dict) else None
+
+
+_MISSING = object()  # a config file that is not there (None: there, without the key)
 
 
 def _too_long(limit: int) -> ContextLengthError:

@@ -49,11 +49,22 @@ def test_the_sampler_min_tokens_mask_reads_stop_token_ids_once_per_sequence():
     ids = CountingList([7, 9])
     params = SamplingParams(temperature=0.0, min_tokens=50, stop_token_ids=ids)
     built = ids.reads
-    sampler = Sampler(torch.device("cpu"), 32, eos_token_ids=(2,))
+    sampler = Sampler(torch.device("cpu"), 32)
     logits = torch.full((1, 32), -5.0)
     logits[0, 7], logits[0, 9], logits[0, 2], logits[0, 11] = 10.0, 9.5, 9.0, 8.0
     for step in range(10):
         tokens = [1, 5, *([4] * step)]
-        req = ScheduledRequest("r", tokens[-1:], len(tokens) - 1, [0], True, params, tokens, 2, step)
+        req = ScheduledRequest(
+            "r",
+            tokens[-1:],
+            len(tokens) - 1,
+            [0],
+            True,
+            params,
+            tokens,
+            2,
+            step,
+            eos_token_ids=frozenset({2}),
+        )
         assert sampler(logits, [req]).token_ids.tolist() == [11]  # stop tokens and EOS stay masked
     assert ids.reads == built, "the sampler rebuilt the stop set from the list on every step"

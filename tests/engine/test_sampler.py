@@ -15,15 +15,19 @@ from engine.sampling_params import SamplingParams
 V = 32
 
 
+EOS = frozenset({2})  # the scheduler's EOS set, which each request brings the sampler
+
+
 def _req(params: SamplingParams, tokens=(1, 2, 3), num_prompt: int = 3, rid: str = "r") -> ScheduledRequest:
     tokens = list(tokens)
+    n_out = len(tokens) - num_prompt
     return ScheduledRequest(
-        rid, tokens[-1:], len(tokens) - 1, [0], True, params, tokens, num_prompt, len(tokens) - num_prompt
+        rid, tokens[-1:], len(tokens) - 1, [0], True, params, tokens, num_prompt, n_out, eos_token_ids=EOS
     )
 
 
 def _sampler() -> Sampler:
-    return Sampler(torch.device("cpu"), V, eos_token_ids=(2,))
+    return Sampler(torch.device("cpu"), V)
 
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:

@@ -18,11 +18,23 @@ EOS = 2
 
 def _req(params: SamplingParams, rid: str, grammar: object = None, n_out: int = 0) -> ScheduledRequest:
     tokens = [1, 5, 6] + [7] * n_out
-    return ScheduledRequest(rid, tokens[-1:], len(tokens) - 1, [0], True, params, tokens, 3, n_out, grammar)
+    return ScheduledRequest(
+        rid,
+        tokens[-1:],
+        len(tokens) - 1,
+        [0],
+        True,
+        params,
+        tokens,
+        3,
+        n_out,
+        grammar,
+        eos_token_ids=frozenset({EOS}),
+    )
 
 
 def _sampler() -> Sampler:
-    return Sampler(torch.device("cpu"), V, eos_token_ids=(EOS,))
+    return Sampler(torch.device("cpu"), V)
 
 
 class OnlyEos:

@@ -104,11 +104,13 @@ def test_masked_rows_leave_every_other_row_bit_identical(compiler: GrammarCompil
 
 def _sched(params: SamplingParams, rid: str, grammar: GrammarState | None = None) -> ScheduledRequest:
     tokens = [5, 6, 7]
-    return ScheduledRequest(rid, tokens[-1:], 2, [0], True, params, tokens, 3, 0, grammar=grammar)
+    return ScheduledRequest(
+        rid, tokens[-1:], 2, [0], True, params, tokens, 3, 0, grammar=grammar, eos_token_ids=frozenset({EOS})
+    )
 
 
 def test_free_rows_sample_the_same_tokens_beside_constrained_ones(compiler: GrammarCompiler) -> None:
-    sampler = Sampler(torch.device("cpu"), V, eos_token_ids=(EOS,))
+    sampler = Sampler(torch.device("cpu"), V)
     logits = torch.randn(8, V, generator=torch.Generator().manual_seed(3)) * 3
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7)] * 4
     free = [_sched(p, f"f{i}") for i, p in enumerate(params)]
