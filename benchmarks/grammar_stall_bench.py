@@ -9,7 +9,7 @@ per-token budget, `--grammar-mask-budget-ms`). In process (no HTTP), default mod
     .venv/bin/python -m benchmarks.grammar_stall_bench --tokens 96 --rounds 3
 
 It runs on older trees as well (only `AsyncEngine` and `SamplingParams.structured` are used), which is how
-the before / after figures in README were taken: the same command in a worktree of the older commit.
+the before / after figures in docs/benchmarks.md were taken: the same command in a worktree of the older commit.
 """
 
 from __future__ import annotations

@@ -68,11 +68,12 @@ def test_dashboard_is_provisioned_with_its_datasource() -> None:
 
 
 def test_readme_monitoring_section_matches_the_kit() -> None:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("\n## Monitoring\n")
-    section = readme[start : readme.index("\n## ", start + 1)]
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    start = doc.index("\n## Monitoring\n")
+    end = doc.find("\n## ", start + 1)
+    section = doc[start : end if end != -1 else len(doc)]
     assert "docker compose -f docker/monitoring/compose.yaml up -d" in section
-    assert "](docker/monitoring/dashboard.png)" in section and (KIT / "dashboard.png").is_file()
+    assert "](../docker/monitoring/dashboard.png)" in section and (KIT / "dashboard.png").is_file()
     rules = yaml.safe_load((KIT / "prometheus" / "brine.rules.yml").read_text())
     names = [r["record"] for g in rules["groups"] for r in g["rules"]]
     # The table abbreviates the p90 rule as `:p90_5m` after the p50 one.

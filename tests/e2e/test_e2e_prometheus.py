@@ -3,7 +3,7 @@
 A fresh `brine serve` (its counters start at 0) and a Prometheus scraping it every second with the kit's scrape
 config (the API key from a credentials file) and recording rules, on free loopback ports. After the A/B/C
 series (tenant A twice, tenant B once, the same document), at the timestamp of Prometheus's last scrape:
-- the README's hit-rate query and the hit-rate rule give hits / queries from the server's own counters;
+- docs/metrics.md's hit-rate query and the hit-rate rule give hits / queries from the server's own counters;
 - the TTFT quantile rules give the quantiles of the server's own histogram buckets;
 - the throughput rule gives the generated tokens over its window;
 - every recorded series matches its expression, and every dashboard expression parses and returns data.
@@ -204,7 +204,7 @@ def test_kit_on_a_real_prometheus(stack: tuple[BrineServer, Prometheus]) -> None
         "model_name:brine_time_to_first_token_seconds:p90_5m": histogram_quantile(0.9, buckets),
         "model_name:brine_generation_tokens:rate_5m": generated / 300,
     }
-    assert README_HIT_RATE in (ROOT / "README.md").read_text()
+    assert README_HIT_RATE in (ROOT / "docs" / "metrics.md").read_text()
     assert prom.value(README_HIT_RATE, at) == pytest.approx(hits / queries, rel=1e-9)
     recorded = rules()
     assert set(recorded) == set(expected)

@@ -122,7 +122,7 @@ def test_reset_prefix_cache_does_not_reset_counters(client: openai.OpenAI, brine
 
 def test_live_exposition_is_the_documented_exporter(brine_server: BrineServer) -> None:
     """The server exports exactly the exporter's metric families (no extra collector, none missing), so the
-    README check against the exporter (tests/metrics/test_readme_metrics.py) covers what a scraper sees."""
+    docs/metrics.md check against the exporter (tests/metrics/test_readme_metrics.py) covers what a scraper sees."""
     from metrics.prometheus import PrometheusStatLogger
 
     r = httpx.get(f"{brine_server.base_url}/metrics", headers=brine_server.headers, timeout=10)

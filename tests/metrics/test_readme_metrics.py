@@ -1,4 +1,4 @@
-"""The README's Metrics section documents exactly what `/metrics` exports, and the hit-rate PromQL."""
+"""docs/metrics.md's Metrics section documents exactly what `/metrics` exports, and the hit-rate PromQL."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from metrics.prometheus import PrometheusStatLogger
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def metrics_section() -> str:
-    text = README.read_text()
+    text = METRICS_DOC.read_text()
     start = text.index("\n## Metrics\n")
     return text[start : text.index("\n## ", start + 1)]
 
