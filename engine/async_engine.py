@@ -305,8 +305,9 @@ class AsyncEngine:
             self._core.set_public_prefixes(prefixes)
 
     def num_used_blocks(self) -> int:
+        """KV blocks held now (`EngineCore.num_used_blocks`), read between steps: the leak checks' view."""
         with self._core_lock:
-            return self._core.kv_manager.num_blocks - self._core.kv_manager.num_free_blocks
+            return self._core.num_used_blocks()
 
     def kv_event_sources(self) -> dict[str, dict[str, Any]]:
         """`GET /kv_event_sources`: one entry per data-parallel rank, keyed by the rank as a string ({} when

@@ -66,10 +66,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def free_block_ids(self) -> list[int]:
-        """The free queue, head (next to be allocated) first."""
-        return list(self._free)
-
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 

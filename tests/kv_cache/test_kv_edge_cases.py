@@ -3,7 +3,7 @@ with blocks only partly cached, and a hash held by two blocks evicted in either 
 
 from __future__ import annotations
 
-from kv_fakes import admit, make_req, release, snapshot
+from kv_fakes import admit, free_queue, make_req, release, snapshot
 
 from kv_cache import BlockRemoved, BlockStored, ComputedBlocks, KVCacheManager, TailHit
 
@@ -17,7 +17,7 @@ def test_revived_hit_blocks_at_the_queue_head_on_an_exactly_full_pool() -> None:
     assert admit(mgr, b)[1] == [2, 3]
     d = make_req(mgr, "d", range(200, 204))
     assert admit(mgr, d)[1] == [4]
-    assert mgr.block_pool.free_block_ids() == [1, 0]  # a's cached blocks, next in line for eviction
+    assert free_queue(mgr.block_pool) == [1, 0]  # a's cached blocks, next in line for eviction
     mgr.take_events()
 
     c = make_req(mgr, "c", [*range(8), *range(300, 309)])  # 17 tokens: 5 blocks, the first 2 hit
@@ -32,7 +32,7 @@ def test_revived_hit_blocks_at_the_queue_head_on_an_exactly_full_pool() -> None:
         mgr.check_invariants()
 
     mgr.free(b)
-    assert mgr.block_pool.free_block_ids() == [1, 0, 4, 3, 2]
+    assert free_queue(mgr.block_pool) == [1, 0, 4, 3, 2]
     # Exactly enough: the hit blocks are revived first, so the new blocks never evict them.
     assert mgr.allocate_slots(c, 9, computed) == [4, 3, 2]
     c.num_computed_tokens = 17
@@ -55,7 +55,7 @@ def test_preempted_with_a_partly_cached_block_table() -> None:
     mgr.free(r)  # preempted by recompute
     r.num_computed_tokens = 0
     r.num_preemptions = 1
-    assert mgr.block_pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
+    assert free_queue(mgr.block_pool) == [2, 3, 4, 5, 1, 0]
     assert mgr.block_pool.get_cached_block(r.block_hashes[1]) is None  # never computed, never cached
 
     computed, new = admit(mgr, r)
@@ -85,7 +85,7 @@ def test_a_hash_in_two_blocks_is_removed_with_its_last_holder_in_either_order() 
         mgr.free(second)
         # The block freed first is evicted first (after the never-used block 3).
         copy, original = (2, 1) if evict_copy_first else (1, 2)
-        assert mgr.block_pool.free_block_ids() == [3, copy, original, 0]
+        assert free_queue(mgr.block_pool) == [3, copy, original, 0]
         mgr.take_events()
 
         e = make_req(mgr, "e", range(50, 58))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kv_fakes import FakeRequest, admit, make_req, release, snapshot
+from kv_fakes import FakeRequest, admit, free_queue, make_req, release, snapshot
 
 from kv_cache import (
     AllBlocksCleared,
@@ -31,7 +31,7 @@ def test_miss_then_partial_hit() -> None:
     # The two full blocks are cached as soon as they are allocated; the partial one is not.
     assert mgr.block_pool.block_hash[:3] == [a.block_hashes[0], a.block_hashes[1], None]
     assert mgr.num_cached_blocks == 2
-    assert mgr.block_pool.free_block_ids() == [3, 4, 5, 6, 7, 8, 9]
+    assert free_queue(mgr.block_pool) == [3, 4, 5, 6, 7, 8, 9]
     assert mgr.usage == pytest.approx(0.3)
     stats = mgr.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (1, 10, 0)
@@ -60,15 +60,15 @@ def test_two_requests_share_a_prefix_then_free_in_lru_order() -> None:
     assert new == [3]
     assert mgr.get_block_ids("b") == [0, 1, 3]
     assert mgr.block_pool.ref_cnt[:4] == [2, 2, 1, 1]
-    assert mgr.block_pool.free_block_ids() == [4, 5, 6, 7, 8, 9]
+    assert free_queue(mgr.block_pool) == [4, 5, 6, 7, 8, 9]
     check(mgr)
 
     mgr.free(a)  # only its private block 2 becomes free
-    assert mgr.block_pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 2]
+    assert free_queue(mgr.block_pool) == [4, 5, 6, 7, 8, 9, 2]
     assert mgr.block_pool.ref_cnt[:4] == [1, 1, 0, 1]
     check(mgr)
     mgr.free(b)  # reverse order: the deepest block is evicted first, the shared root last
-    assert mgr.block_pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    assert free_queue(mgr.block_pool) == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
     assert mgr.num_free_blocks == 10 and mgr.usage == 0.0
     assert mgr.num_cached_blocks == 2  # freed blocks keep their hashes
     mgr.free(b)  # freeing a request that holds nothing is a no-op
@@ -77,7 +77,7 @@ def test_two_requests_share_a_prefix_then_free_in_lru_order() -> None:
     # A revived free hit block leaves the middle of the queue.
     c = make_req(mgr, "c", [*range(8), 7])
     assert admit(mgr, c) == (ComputedBlocks([0, 1], 8), [4])
-    assert mgr.block_pool.free_block_ids() == [5, 6, 7, 8, 9, 2, 3]
+    assert free_queue(mgr.block_pool) == [5, 6, 7, 8, 9, 2, 3]
     release(mgr, c)
 
 
@@ -87,12 +87,12 @@ def test_long_miss_evicts_cached_blocks_in_lru_order() -> None:
     assert admit(mgr, a)[1] == [0, 1, 2, 3]
     assert mgr.num_cached_blocks == 4
     mgr.free(a)
-    assert mgr.block_pool.free_block_ids() == [4, 5, 6, 7, 3, 2, 1, 0]
+    assert free_queue(mgr.block_pool) == [4, 5, 6, 7, 3, 2, 1, 0]
     mgr.take_events()
 
     b = make_req(mgr, "b", range(100, 124))  # 6 blocks: 4 never-used ones, then a's deepest two
     assert admit(mgr, b)[1] == [4, 5, 6, 7, 3, 2]
-    assert mgr.block_pool.free_block_ids() == [1, 0]
+    assert free_queue(mgr.block_pool) == [1, 0]
     events = mgr.take_events()
     assert events[0] == BlockRemoved([a.block_hashes[3], a.block_hashes[2]])
     assert isinstance(events[1], BlockStored) and events[1].block_hashes == b.block_hashes
@@ -112,7 +112,7 @@ def test_revived_hit_blocks_count_against_the_free_supply() -> None:
     mgr.free(a)
     b = make_req(mgr, "b", range(100, 116))
     assert admit(mgr, b)[1] == [3, 4, 5, 2]  # evicts a's block 2; blocks 0, 1 stay cached and free
-    assert mgr.block_pool.free_block_ids() == [1, 0]
+    assert free_queue(mgr.block_pool) == [1, 0]
 
     c = make_req(mgr, "c", range(12))
     computed = mgr.get_computed_blocks(c)
@@ -125,7 +125,7 @@ def test_revived_hit_blocks_count_against_the_free_supply() -> None:
     check(mgr)
 
     mgr.free(b)
-    assert mgr.block_pool.free_block_ids() == [1, 0, 2, 5, 4, 3]
+    assert free_queue(mgr.block_pool) == [1, 0, 2, 5, 4, 3]
     computed = mgr.get_computed_blocks(c)
     assert mgr.allocate_slots(c, 4, computed) == [2]  # revives 0 and 1 first, so 2 is the head
     assert mgr.get_block_ids("c") == [0, 1, 2]
@@ -180,7 +180,7 @@ def test_hit_is_capped_on_a_block_aligned_prompt_and_a_hash_may_live_in_two_bloc
 
     mgr.free(a)
     mgr.free(b)
-    assert mgr.block_pool.free_block_ids() == [3, 1, 2, 0]
+    assert free_queue(mgr.block_pool) == [3, 1, 2, 0]
     mgr.take_events()
     e = make_req(mgr, "e", [50, 51, 52, 53, 54])
     assert admit(mgr, e)[1] == [3, 1]  # evicts block 1; block 2 still holds the hash
@@ -226,7 +226,7 @@ def test_caching_disabled_hashes_nothing_and_never_hits() -> None:
     assert mgr.take_events() == []
     mgr.free(a)
     mgr.free(b)
-    assert mgr.block_pool.free_block_ids() == [2, 1, 0, 5, 4, 3]
+    assert free_queue(mgr.block_pool) == [2, 1, 0, 5, 4, 3]
     release(mgr)
 
 
@@ -278,10 +278,10 @@ def test_reset_refused_while_in_use() -> None:
     assert mgr.reset_prefix_cache() is False
     assert snapshot(mgr) == before and mgr.take_events() == []
     mgr.free(a)
-    queue = mgr.block_pool.free_block_ids()
+    queue = free_queue(mgr.block_pool)
     assert mgr.reset_prefix_cache() is True
     assert mgr.num_cached_blocks == 0 and mgr.block_pool.block_hash == [None] * 4
-    assert mgr.block_pool.free_block_ids() == queue
+    assert free_queue(mgr.block_pool) == queue
     assert mgr.take_events() == [AllBlocksCleared()]
     assert mgr.get_computed_blocks(make_req(mgr, "b", range(9))) == ComputedBlocks([], 0)
     release(mgr)

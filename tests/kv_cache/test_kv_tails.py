@@ -5,7 +5,7 @@ coming step has still to compute, and goes with its block."""
 from __future__ import annotations
 
 import pytest
-from kv_fakes import FakeRequest, admit, make_req, release
+from kv_fakes import FakeRequest, admit, free_queue, make_req, release
 
 from kv_cache import (
     HASH_ALGOS,
@@ -150,7 +150,7 @@ def test_no_copy_when_the_request_is_given_the_source_block_itself() -> None:
     a = make_req(mgr, "a", range(6))
     admit(mgr, a)
     finish(mgr, a)
-    assert mgr.block_pool.free_block_ids() == [1, 0]
+    assert free_queue(mgr.block_pool) == [1, 0]
     again = make_req(mgr, "again", range(6))
     computed, new = admit(mgr, again)
     assert computed == ComputedBlocks([0], 5, tail=TailHit(1, 1))
