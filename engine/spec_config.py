@@ -4,7 +4,8 @@
 
 Only prompt lookup ("ngram") exists: drafts come from the request's own tokens (engine.ngram_proposer), so
 no draft model is loaded and nothing is shared between requests. Brine adds two keys of its own, both about
-when speculation backs off for the whole step (engine.spec_decode), measured on CPU in README:
+when speculation backs off for the whole step (engine.spec_decode), measured on CPU in
+docs/speculative-decoding.md:
 `disable_by_batch_size` (vLLM's name: no drafts in a step once this many sequences run) and
 `max_draft_tokens_per_step` (the drafts of one step together, so a batch whose step is compute-bound does not
 pay for drafts it cannot afford). Stdlib only: `brine --help` imports this.

@@ -24,7 +24,8 @@ MAX_CACHE_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks per reque
 
 class CacheControl(_Request):
     type: Literal["ephemeral"]
-    # Accepted, not yet honoured: every full KV block is cached whatever the TTL (README: Messages API).
+    # Every full KV block is cached whatever the TTL; the TTL is how long the blocks up to the last breakpoint
+    # are retained after their last hit (server.messages_convert's Breakpoint; docs/messages.md).
     ttl: Literal["5m", "1h"] | None = None
 
 

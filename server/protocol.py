@@ -134,7 +134,7 @@ _CHAT_TEMPLATE_DOC = (
 _PROMPT_CACHE_KEY_DOC = (
     "A routing hint, never an isolation key: accepted (1 to 1024 characters), but the prefix cache stays "
     "partitioned by tenant and cache_salt only. A router in front of several replicas can pin requests with one "
-    "key to one replica (README: More than one replica)."
+    "key to one replica (docs/replicas.md)."
 )
 # OpenAI's routing hint on chat, completions and responses (see its description).
 PromptCacheKey = Annotated[
