@@ -31,6 +31,7 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model.kernels.invariance import isa_summary
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 
@@ -50,7 +51,7 @@ async def decode_rate(eng: AsyncEngine, names: list[str | None], tokens: int, se
         prompt = [rng.randrange(100, 40000) for _ in range(32)]
         ns = None if name is None else CacheNamespace(lora=eng.loras.get(name).key)
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        async for out in eng.generate(prompt, params, namespace=ns):
+        async for out in eng.generate(prompt, params, origin=Origin(ns)):
             first.setdefault(i, time.perf_counter())
             counts[i] += sum(len(c.token_ids) for c in out.outputs)
         done.append(time.perf_counter())

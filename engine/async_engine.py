@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.grammar_sandbox import CompileSandbox
 from engine.outputs import RequestOutput
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from engine.structured_output import (
     CompiledGrammar,
@@ -65,8 +66,7 @@ class _Add:
     stream: _Stream
     prompt_token_ids: list[int]
     params: SamplingParams
-    namespace: CacheNamespace | None
-    owner: str | None
+    origin: Origin | None
     grammar: CompiledGrammar | None
 
 
@@ -209,17 +209,16 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        namespace: CacheNamespace | None = None,
-        owner: str | None = None,
+        origin: Origin | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields deltas; the last has finished=True. ValueError before the first yield for a request that can
         never run. Closing or cancelling the iterator aborts the request (blocks freed at the next step).
-        `namespace`: whose cached blocks the request may reuse (None: the shared unsalted namespace).
-        `owner`: the API request this is part of; requests naming the same owner (its prompts) share one fair
-        share when they have no namespace. With one, the engine shares by the namespace (its tenant, gateway
-        value or salt: `engine.request.fair_share_key`). Default: this request alone."""
+        `origin` (`engine.request.Origin`): its cache namespace, whose cached blocks it may reuse (None: the
+        shared unsalted one), and the API request it is part of, whose prompts share one fair share when they
+        have no namespace; with one, the engine shares by the namespace (its tenant, gateway value or salt:
+        `engine.request.fair_share_key`). Default: unsalted, this request alone."""
         self._core.check_request(prompt_token_ids, params)
-        grammar = await self._compile(params, namespace)
+        grammar = await self._compile(params, origin.namespace if origin is not None else None)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
@@ -228,7 +227,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, stream, list(prompt_token_ids), params, namespace, owner, grammar))
+        self._inbox.put(_Add(request_id, stream, list(prompt_token_ids), params, origin, grammar))
         finished = False
         try:
             while not finished:
@@ -363,8 +362,7 @@ class AsyncEngine:
                 cmd.request_id,
                 cmd.prompt_token_ids,
                 cmd.params,
-                namespace=cmd.namespace,
-                owner=cmd.owner,
+                origin=cmd.origin,
                 grammar=cmd.grammar,
             )
         except Exception as exc:  # a bug in adding one request must not kill the engine

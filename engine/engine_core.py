@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.errors import PromptTokenError
 from engine.output_processor import OutputProcessor, Processed, error_output
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
-from engine.request import Request, RequestStatus
+from engine.request import Origin, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import CompiledGrammar, grammar_states
@@ -135,15 +135,17 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        namespace: CacheNamespace | None = None,
+        origin: Origin | None = None,
         arrival_time: float | None = None,
-        owner: str | None = None,
         grammar: CompiledGrammar | None = None,
     ) -> list[RequestOutput]:
         """Queues a request (n sequences). Returns an error output if it cannot be added, else [].
-        `owner`: the API request this is part of (its prompts share one fair share); default: this request,
-        all its n sequences together. A request with a namespace shares by it instead (`fair_share_key`).
-        `grammar` (compiled off this thread) constrains every sequence's output; each gets its own matcher."""
+        `origin`: its cache namespace and the API request it is part of (`Origin`; None: unsalted, alone).
+        Its sequences share one fair share: the namespace's if it has one, else its group's, else this
+        request's (`fair_share_key`). `grammar` (compiled off this thread) constrains every sequence's
+        output; each gets its own matcher."""
+        namespace = origin.namespace if origin is not None else None
+        group = origin.group if origin is not None else None
         try:
             self.check_request(prompt_token_ids, params)
             lora = self._lora_of(namespace)
@@ -166,7 +168,7 @@ class EngineCore:
                         hasher,
                         arrival,
                         index=i,
-                        owner=owner or request_id,
+                        owner=group or request_id,
                         grammar=states[i],
                         lora=lora,
                     )

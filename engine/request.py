@@ -70,6 +70,20 @@ def fair_share_key(namespace: CacheNamespace | None, group: str) -> str:
     return group
 
 
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a request comes from: the one record about it that travels from the server to `Request`.
+
+    `namespace`: whose cache it may read and write (tenant, gateway value, salt, LoRA adapter; None: the
+    shared unsalted namespace). `group`: the API request it is part of, whose prompts share one fair share
+    where there is no namespace (None: the engine request alone, all its n sequences). The engine derives the
+    rest from it: block hashes, the LoRA adapter, the compiled-grammar cache's key, the fair share
+    (`fair_share_key`). Never logged: it may name a tenant or salt."""
+
+    namespace: CacheNamespace | None = None
+    group: str | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol
 
 from engine.outputs import RequestOutput
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace, Owner
 
@@ -67,8 +68,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        namespace: CacheNamespace | None = None,
-        owner: str | None = None,
+        origin: Origin | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...

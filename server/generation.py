@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from engine.async_engine import EngineDeadError
 from engine.errors import ContextLengthError, PromptTokenError
 from engine.outputs import RequestOutput
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from engine.structured_spec import StructuredOutputError, is_mask_budget_error
 from kv_cache.namespace import CacheNamespace
@@ -93,10 +94,11 @@ class OutputStream:
         self.request_ids = (
             [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
-        # `owner`: this API request, so its prompts share one fair share; the engine shares by the namespace
-        # instead wherever there is one (engine.request.fair_share_key).
+        # One record to the engine: the namespace, and this API request as the group its prompts share one
+        # fair share by (the engine shares by the namespace instead wherever there is one).
+        origin = Origin(namespace, group=request_id)
         self._gens = [
-            engine.generate(p, params, request_id=rid, namespace=namespace, owner=request_id)
+            engine.generate(p, params, request_id=rid, origin=origin)
             for p, rid in zip(prompts, self.request_ids, strict=True)
         ]
         self._namespace = namespace

@@ -12,6 +12,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import FinishReason
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 
@@ -193,7 +194,9 @@ async def test_non_causal_runner_turns_prefix_caching_off():
 async def test_reset_prefix_cache_and_cache_salt(engine):
     params = SamplingParams(max_tokens=1, temperature=0)
     [o async for o in engine.generate([7] * 20, params)]
-    salted = [o async for o in engine.generate([7] * 20, params, namespace=CacheNamespace(salt="tenant-b"))]
+    salted = [
+        o async for o in engine.generate([7] * 20, params, origin=Origin(CacheNamespace(salt="tenant-b")))
+    ]
     assert salted[-1].num_cached_tokens == 0  # another tenant's blocks are invisible
     again = [o async for o in engine.generate([7] * 20, params)]
     assert again[-1].num_cached_tokens == 19  # a full block, then 3 of the 4 its last block held

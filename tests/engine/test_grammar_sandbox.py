@@ -20,6 +20,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.grammar_sandbox import CompileCancelled, CompileSandbox
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler, StructuredOutputError, StructuredOutputSpec
 from kv_cache.namespace import CacheNamespace
@@ -87,7 +88,7 @@ def _engine(grammars: GrammarCompiler) -> AsyncEngine:
 
 async def _run(engine: AsyncEngine, spec: StructuredOutputSpec, ns: CacheNamespace | None) -> None:
     params = SamplingParams(max_tokens=2, temperature=0, structured=spec)
-    async for _ in engine.generate([1, 2, 3], params, namespace=ns):
+    async for _ in engine.generate([1, 2, 3], params, origin=Origin(ns)):
         pass
 
 

@@ -17,6 +17,7 @@ import pytest
 from engine import kv_disk, kv_tiers
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 from metrics.stats import IterationStats, SchedulerStats, StatLogger
@@ -52,7 +53,7 @@ def make(hits: TierHits | None = None, **kw: object) -> AsyncEngine:
 
 async def run(engine: AsyncEngine, ids: list[int], ns: CacheNamespace | None = SALT):
     tokens, logprobs, cached = [], [], 0
-    async for out in engine.generate(ids, PARAMS, namespace=ns):
+    async for out in engine.generate(ids, PARAMS, origin=Origin(ns)):
         for c in out.outputs:
             tokens += c.token_ids
             logprobs += [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]

@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.lora.layer import LoRALinear
 from engine.lora.peft_format import LoRAError
 from engine.model.layers.quant_linear import QuantLinear
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 
@@ -65,7 +66,7 @@ def ns(eng: AsyncEngine, name: str | None) -> CacheNamespace | None:
 
 async def answer(eng, prompt, name, max_tokens=6):
     tokens, lps, cached, error = [], [], None, None
-    async for out in eng.generate(list(prompt), params(max_tokens), namespace=ns(eng, name)):
+    async for out in eng.generate(list(prompt), params(max_tokens), origin=Origin(ns(eng, name))):
         cached = out.num_cached_tokens if cached is None else cached
         for c in out.outputs:
             tokens += c.token_ids
@@ -158,7 +159,7 @@ def test_unload_while_running_finishes_on_the_adapter(engine, adapters):
 
     async def run():
         key = ns(engine, "a")
-        stream = engine.generate(prompt, params(24), namespace=key)
+        stream = engine.generate(prompt, params(24), origin=Origin(key))
         tokens = []
         async for out in stream:
             for c in out.outputs:

@@ -21,6 +21,7 @@ from lora_helpers import default_model_shapes, write_adapter
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model.kernels.invariance import isa_summary
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
 
@@ -65,7 +66,7 @@ async def answer(eng: AsyncEngine, req: Req, delay: float = 0.0):
     ns = None if req.adapter is None else CacheNamespace(lora=eng.loras.get(req.adapter).key)
     tokens: list[int] = []
     lps: list = []
-    async for out in eng.generate(list(req.prompt), req.params(), namespace=ns):
+    async for out in eng.generate(list(req.prompt), req.params(), origin=Origin(ns)):
         for c in out.outputs:
             tokens += c.token_ids
             lps += [(lp.logprob, tuple(lp.top)) for lp in c.logprobs or []]

@@ -8,6 +8,7 @@ from engine_fakes import FakeRunner, collect, make_core, run_to_completion
 
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 
 
@@ -116,7 +117,7 @@ def test_the_prompts_of_one_api_request_share_one_owner():
     core = make_core(FakeRunner(num_blocks=512, block_size=4), max_num_seqs=4)
     for i in range(6):  # one API request with 6 prompts, 2 sequences each
         params = SamplingParams(n=2, max_tokens=40, temperature=1.0, seed=i)
-        core.add_request(f"api-{i}", prompt(4, start=10 * i), params, owner="api")
+        core.add_request(f"api-{i}", prompt(4, start=10 * i), params, origin=Origin(group="api"))
     core.add_request("other", prompt(5, start=90), greedy(3))
     assert steps_until_first_token(core, "other") <= 2
     running = [r.owner for r in core.scheduler.running]

@@ -28,6 +28,7 @@ from fake_tokenizer import EOS_ID, FakeTokenizer
 from engine.async_engine import EngineDeadError
 from engine.errors import ContextLengthError
 from engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
+from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace, Owner
 
@@ -100,9 +101,10 @@ class FakeEngine:
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        namespace: CacheNamespace | None = None,
-        owner: str | None = None,
+        origin: Origin | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        namespace = origin.namespace if origin is not None else None
+        owner = origin.group if origin is not None else None
         if not self.healthy:
             raise EngineDeadError("fake engine is dead")
         params.validate()
