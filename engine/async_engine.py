@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.grammar_public import PublicGrammarError, load_public_specs
 from engine.grammar_sandbox import CompileSandbox
 from engine.outputs import RequestOutput
 from engine.request import Origin
@@ -192,6 +193,10 @@ class AsyncEngine:
             )
         except Exception:  # a tokenizer xgrammar cannot read: serve, but refuse structured outputs
             logger.exception("structured outputs disabled: the grammar engine cannot use this tokenizer")
+        if config.public_grammar_dir is not None:  # the operator's: a file that fails stops the start
+            if grammars is None:
+                raise PublicGrammarError("--public-grammar-dir: this model's tokenizer has no grammar engine")
+            grammars.add_public(load_public_specs(config.public_grammar_dir))
         return cls(
             core,
             tokenizer,

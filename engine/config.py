@@ -61,6 +61,9 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     grammar_cache_memory: int = 256 * 1024 * 1024
     grammar_mask_budget_ms: float = 10.0
+    # A directory of operator-declared public grammars (engine.grammar_public), compiled at start and shared by
+    # every namespace; None: every compiled grammar is private to the namespace that sent it.
+    public_grammar_dir: str | None = None
     # Prompt-lookup speculative decoding (engine.spec_decode); None: off. Same tokens either way, only faster.
     speculative_config: SpeculativeConfig | None = None
     # LoRA adapters (engine.lora; ModelRunner reads them): off unless enable_lora; lora_modules are loaded at

@@ -20,7 +20,9 @@ Rules a caller keeps:
   schema costs nothing, but only inside the namespace that compiled it: a cache hit answers faster than a
   compile, so a shared cache would tell a tenant which schemas another tenant sent (schemas hold enums of
   customer names, field names). A prefix cache reset forgets the grammars of the namespaces it resets
-  (`forget`), as it forgets their KV blocks and tokenizer pieces.
+  (`forget`), as it forgets their KV blocks and tokenizer pieces. The one exception is the operator's public
+  grammars (`add_public`, engine.grammar_public): compiled before serving, so that no tenant's request ever
+  times their compile, and shared by every namespace.
 - The cache is bounded by the bytes its grammars hold (xgrammar's `memory_size_bytes`: a 20,000-value enum
   compiles to ~105 MB), least recently used first out; a grammar bigger than the whole cache is refused.
 - Every compiled grammar's first mask is timed (CPU time) before it is handed out: one over the per-token
@@ -31,6 +33,7 @@ Rules a caller keeps:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from engine.grammar_compile import check_mask_cost, compile_failure, compile_spec, tokenizer_info
+from engine.grammar_public import PublicGrammarError
 from engine.grammar_state import (
     MASK_STRIKES,
     CompiledGrammar,
@@ -56,6 +60,8 @@ from kv_cache.namespace import CacheNamespace, Owner
 
 if TYPE_CHECKING:
     from engine.grammar_sandbox import CompileSandbox
+
+logger = logging.getLogger(__name__)
 
 # The names callers of structured outputs know this module by (defined below it, so that holding a spec or
 # compiling in a worker never imports the compiler).
@@ -100,6 +106,9 @@ class GrammarCompiler:
         self.tokenizer_info = tokenizer_info
         self._xgr = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[_Key, CompiledGrammar] = OrderedDict()
+        # The operator's public grammars (engine.grammar_public), any namespace's: written before serving only.
+        self._public: dict[StructuredOutputSpec, CompiledGrammar] = {}
+        self.public_bytes = 0  # theirs, apart from cache_bytes: never evicted
         # owner -> its grammars' keys (an insertion-ordered set): a tenant's reset costs its own grammars.
         self._owned: dict[Owner, dict[_Key, None]] = {}
         self.cache_bytes = cache_bytes
@@ -129,7 +138,11 @@ class GrammarCompiler:
     def cached(
         self, spec: StructuredOutputSpec, namespace: CacheNamespace | None = None
     ) -> CompiledGrammar | None:
-        """The namespace's compiled grammar for `spec` if cached (cheap: may run on an event loop)."""
+        """The namespace's compiled grammar for `spec` if cached, or the public one (cheap: may run on an event
+        loop)."""
+        public = self._public.get(spec)
+        if public is not None:
+            return public
         with self._lock:
             hit = self._cache.get((namespace, spec))
             if hit is not None:
@@ -148,28 +161,15 @@ class GrammarCompiler:
         hit = self.cached(spec, namespace)
         if hit is not None:
             return hit
-        first_mask_s = 0.0
+        first_mask_s = None
         if self.sandbox is not None:
             # Killable, under a timeout and a memory limit: only a compile it finished is repeated here.
             trial = self.sandbox.trial(spec, cancel)
             self._check_size(spec, trial.memory_bytes)
             first_mask_s = trial.first_mask_s
-        start = time.perf_counter()
-        try:
-            compiled = compile_spec(self._xgr, spec)
-        except StructuredOutputError:
-            raise
-        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
-            raise compile_failure(spec, exc) from None
-        seconds = time.perf_counter() - start
-        self._check_size(spec, compiled.memory_size_bytes)
-        if self.sandbox is None:
-            first_mask_s = check_mask_cost(spec, compiled, self.vocab_size, self.mask_budget_s)
+        grammar, seconds = self._compile_here(spec, first_mask_s)
         if self.on_compile is not None:
             self.on_compile(seconds)
-        grammar = CompiledGrammar(
-            spec, compiled, self.mask_budget_s, compiled.memory_size_bytes, first_mask_s
-        )
         with self._lock:
             self.compiles += 1
             key = (namespace, spec)
@@ -186,6 +186,30 @@ class GrammarCompiler:
                 self._bytes -= evicted.memory_bytes
                 self._unindex(evicted_key)
         return grammar
+
+    def add_public(self, named: Iterable[tuple[str, StructuredOutputSpec]]) -> None:
+        """Compiles the operator's public grammars ((file name, spec): engine.grammar_public) for every
+        namespace: any namespace's `cached` finds them, and neither eviction nor a reset drops them. Call
+        before serving (in this process, no sandbox: the operator's own files). PublicGrammarError names a
+        file that does not compile or is over a bound."""
+        for name, spec in named:
+            try:
+                grammar, _ = self._compile_here(spec, None)
+            except StructuredOutputError as exc:
+                raise PublicGrammarError(f"public grammar {name}: {exc}") from None
+            if spec not in self._public:
+                self.public_bytes += grammar.memory_bytes
+                self._public[spec] = grammar
+        if self._public:
+            logger.info(
+                "public grammars: %d compiled (%.1f MiB), shared by every namespace",
+                len(self._public),
+                self.public_bytes / 2**20,
+            )
+
+    @property
+    def public_specs(self) -> list[StructuredOutputSpec]:
+        return list(self._public)
 
     def forget(self, owner: Owner | None = None) -> None:
         """Forgets every grammar (None), or those of the namespaces `owner` owns (a tenant-scoped reset)."""
@@ -218,6 +242,27 @@ class GrammarCompiler:
     def close(self) -> None:
         if self.sandbox is not None:
             self.sandbox.close()
+
+    def _compile_here(
+        self, spec: StructuredOutputSpec, first_mask_s: float | None
+    ) -> tuple[CompiledGrammar, float]:
+        """`spec` compiled in this process, and the seconds it took. `first_mask_s`: its first mask's cost as
+        the sandbox measured it (None: measure it here, refusing it over the budget)."""
+        start = time.perf_counter()
+        try:
+            compiled = compile_spec(self._xgr, spec)
+        except StructuredOutputError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
+            raise compile_failure(spec, exc) from None
+        seconds = time.perf_counter() - start
+        self._check_size(spec, compiled.memory_size_bytes)
+        if first_mask_s is None:
+            first_mask_s = check_mask_cost(spec, compiled, self.vocab_size, self.mask_budget_s)
+        grammar = CompiledGrammar(
+            spec, compiled, self.mask_budget_s, compiled.memory_size_bytes, first_mask_s
+        )
+        return grammar, seconds
 
     def _check_size(self, spec: StructuredOutputSpec, memory_bytes: int) -> None:
         if memory_bytes > self.cache_bytes:

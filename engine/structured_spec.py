@@ -8,7 +8,9 @@ engine.grammar_sandbox, engine.structured_output, engine.grammar_masks).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
@@ -54,6 +56,12 @@ class GrammarTooSlowError(RuntimeError):
 def is_mask_budget_error(error: str | None) -> bool:
     """True for a `RequestOutput.error` that a grammar over the mask budget caused."""
     return error is not None and error.startswith(MASK_BUDGET_ERROR)
+
+
+def schema_text(schema: dict[str, Any]) -> str:
+    """A JSON schema's canonical text, the `spec` of a json_schema spec: the same schema sent with its keys in
+    another order is the same spec (one cache entry; an operator's public schema matches it)."""
+    return json.dumps(schema, sort_keys=True, ensure_ascii=False)
 
 
 def label(kind: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.structured_output import StructuredOutputSpec
+from engine.structured_spec import StructuredOutputSpec, schema_text
 from server.errors import APIError, bad_request
 from server.generation import OutputStream, unless_disconnected
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -63,7 +63,7 @@ def _schema_text(schema: Any, param: str) -> str:
             raise bad_request(f"{param} is not valid JSON.", param) from None
     if not isinstance(schema, dict):
         raise bad_request(f"{param} must be a JSON schema object.", param)
-    return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    return schema_text(schema)
 
 
 def _response_format(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputSpec | None:

@@ -290,3 +290,12 @@ def add_structured_output_flags(s: argparse.ArgumentParser) -> None:
         "constraint over it from the first token is a 400, and a request whose masks grow past it fails "
         "alone, with an error naming the budget (default: %(default)s)",
     )
+    engine_flag(
+        g,
+        "--public-grammar-dir",
+        default=None,
+        metavar="DIR",
+        help="schemas (.json) and grammars (.regex, .ebnf, .gbnf) the operator declares public: compiled at "
+        "start and shared by every tenant and salt, so no request times their compile; every other grammar "
+        "stays cached per namespace (default: none)",
+    )

@@ -14,6 +14,7 @@ OURS = {
     "engine.structured_spec",
     "engine.grammar_compile",
     "engine.grammar_state",
+    "engine.grammar_public",
     "engine.grammar_sandbox",
     "engine.structured_output",
     "engine.grammar_masks",
@@ -67,9 +68,15 @@ def test_the_layers_point_down() -> None:
     assert graph["engine.structured_spec"] == set()  # holding a spec imports nothing of the engine
     assert graph["engine.grammar_compile"] == {"engine.structured_spec"}
     assert graph["engine.grammar_state"] == {"engine.structured_spec", "engine.grammar_compile"}
+    assert graph["engine.grammar_public"] == {"engine.structured_spec"}
     assert graph["engine.grammar_sandbox"] == {"engine.structured_spec", "engine.grammar_compile"}
     assert graph["engine.grammar_masks"] == {"engine.grammar_state", "engine.outputs"}
     assert graph["engine.sampling_params"] <= {"engine.structured_spec"}
-    for below in ("engine.structured_output", "engine.grammar_state", "engine.grammar_sandbox"):
+    for below in (
+        "engine.structured_output",
+        "engine.grammar_state",
+        "engine.grammar_sandbox",
+        "engine.grammar_public",
+    ):
         assert "engine.grammar_masks" not in graph[below]
         assert "engine.outputs" not in graph[below]
