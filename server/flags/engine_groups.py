@@ -56,7 +56,7 @@ def add_model_flags(s: argparse.ArgumentParser) -> None:
         help="give every request the same tokens and logprobs whether its prefix was cached, how its prompt "
         "was chunked and whatever shares its steps (default: on). --no-batch-invariant trades that for "
         "speed where a faster path is not invariant: unpadded oneDNN matmuls for Hugging Face weights, SDPA "
-        "attention where Brine's CPU kernels do not build (see README, 'Same answer, cached or not')",
+        "attention where Brine's CPU kernels do not build (see docs/determinism.md)",
     )
     engine_flag(
         g,
