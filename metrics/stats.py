@@ -114,6 +114,8 @@ class StatLogger(Protocol):
     def count_structured_output(self, kind: str) -> None:
         """One request with an output constraint of `kind` (engine.structured_output.KINDS), from the
         server's event loop."""
+        return None  # a body, so that the hook is a no-op default, not an abstract method
 
     def observe_grammar_compile(self, seconds: float) -> None:
         """One grammar compiled (a cache miss), from the thread that compiled it."""
+        return None  # a body, so that the hook is a no-op default, not an abstract method
