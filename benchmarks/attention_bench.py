@@ -7,7 +7,8 @@ behind a warm TTFT), fresh prefills, and decodes whose cached context comes from
 backends run alternately on the same inputs in one process and the median of `--repeats` runs is reported,
 with tiled / native (these machines are noisy: compare ratios).
 
-`--baseline DIR` instead times another checkout's native kernel (DIR/engine/model/csrc, built into a temporary
+`--baseline DIR` instead times another checkout's native kernel (DIR/engine/model/kernels/csrc, or
+engine/model/csrc in checkouts from before the redesign, built into a temporary
 directory) against this tree's, alternating run by run, and says whether their outputs have the same bits: the
 before / after of a kernel change.
 
@@ -34,7 +35,7 @@ from engine.model.attention.base import AttentionMetadata  # noqa: E402
 from engine.model.attention.native import NativeBackend  # noqa: E402
 from engine.model.attention.tiled import TiledBackend  # noqa: E402
 from engine.model.device import DTYPES  # noqa: E402
-from engine.model.kernels.build import build_baseline, load  # noqa: E402
+from engine.model.kernels.build import baseline_csrc, build_baseline, load  # noqa: E402
 
 # name -> (new tokens, context, cache): "small" caches hold little more than the case's blocks (they stay in
 # the CPU's caches from run to run); "large" ones are ~300 MB at the default shape, and every run, of either
@@ -97,7 +98,7 @@ def main() -> int:
         }
         return run_cases(args, backends, "runs")
     with tempfile.TemporaryDirectory() as tmp:
-        before = build_baseline(args.baseline / "engine" / "model" / "csrc", Path(tmp) / "baseline.so")
+        before = build_baseline(baseline_csrc(args.baseline), Path(tmp) / "baseline.so")
         return run_cases(args, {"baseline": NativeBackend(before), "this tree": NativeBackend(kernels)},
                          f"alternating runs; baseline {args.baseline}")  # fmt: skip
 

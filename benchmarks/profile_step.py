@@ -4,7 +4,7 @@ In process, no HTTP: an `EngineCore` over the real `ModelRunner` (default model 
 step by step. Three passes per scenario, each over `--steps` steps:
 
 - plain: the step as it runs in the server, timed whole (the reference figure); where the layers run in one
-  native call (engine.model.native_stack), also timed with them run from Python, as `--enforce-eager` does;
+  native call (engine.model.models.native_stack), also timed with them run from Python, as `--enforce-eager` does;
 - phases (with the layers run from Python, where the parts are visible): the engine's stages and the model's
   parts wrapped in timers (scheduler, runner host work, model forward and inside it attention plan /
   attention / KV write / linears / norms / RoPE / SiLU, sampler, the one host sync, scheduler update, output
@@ -66,6 +66,7 @@ def _timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument(core: EngineCore) -> None:
     """Wrap the stages of a step and the parts of the model, in place (this process only)."""
+    import engine.model.layers.activation as activation
     import engine.model.models.llama as llama
     from engine.detokenizer import TextStream
     from engine.model.layers.linear import PackedLinear
@@ -76,12 +77,12 @@ def instrument(core: EngineCore) -> None:
     sched.update = _timed("scheduler.update", sched.update)
     runner.execute = _timed("runner.execute", runner.execute)
     model.forward = _timed("runner.execute/model.forward", model.forward)
-    backend = model.attn_backend
+    backend = runner.attn_backend
     backend.plan = _timed("runner.execute/model.forward/attention.plan", backend.plan)
     backend.forward = _timed("runner.execute/model.forward/attention", backend.forward)
     llama.write_slots = _timed("runner.execute/model.forward/kv_write", llama.write_slots)
     llama.apply_rope = _timed("runner.execute/model.forward/rope", llama.apply_rope)
-    llama.silu = _timed("runner.execute/model.forward/silu", llama.silu)
+    activation.silu = _timed("runner.execute/model.forward/silu", activation.silu)
     llama.RMSNorm.forward = _timed("runner.execute/model.forward/rmsnorm", llama.RMSNorm.forward)
     # The fused native steps (CPU): the residual add is charged to the RMSNorm it is fused with.
     fused = llama.fused_ops
@@ -170,8 +171,8 @@ class Scenario:
 
 def run(core: EngineCore, kind: str, context: int, steps: int, top: int) -> None:
     sc = Scenario(core, kind, context)
-    model = core.runner.model
-    stack = model.native_stack
+    runner = core.runner
+    stack = runner.layer_stack
 
     def plain_steps() -> list[float]:
         for _ in range(3):  # warm-up
@@ -187,7 +188,7 @@ def run(core: EngineCore, kind: str, context: int, steps: int, top: int) -> None
 
     plain = plain_steps()
     # The phases are only visible where the layers run from Python: time that path too, then break it down.
-    model.native_stack = None
+    runner.layer_stack = None
     eager = plain_steps() if stack is not None else plain
     _times.clear()
     for _ in range(steps):
@@ -244,7 +245,7 @@ def run(core: EngineCore, kind: str, context: int, steps: int, top: int) -> None
     print(
         f"all ops' self time: {total:.2f} ms per step; ops dispatched from Python: {top_level / steps:.0f} per step"
     )
-    model.native_stack = stack
+    runner.layer_stack = stack
     core.abort_request("decode")  # the decode scenario's request must not share the next scenario's steps
     while core.has_work():
         core.step()

@@ -94,7 +94,7 @@ def weights_fingerprint(model_dir: Path, cache_file: Path | None = None) -> str:
 
 
 def kv_identity(runner: Any, config: Any, model_dir: Path, cache_file: Path | None) -> KVIdentity:
-    store: KVStore = runner.kv
+    store: KVStore = runner.kv_store
     device = store.device
     if device.type == "cuda":
         kernel = f"cuda {torch.version.cuda} {torch.cuda.get_device_name(device)} torch {torch.__version__}"
@@ -310,7 +310,7 @@ def build_tiers(config: Any, runner: Any) -> KVTiers | None:
     disk_dir = getattr(config, "kv_disk_dir", None)
     if not host_bytes and not disk_dir:
         return None
-    store: KVStore | None = getattr(runner, "kv", None)
+    store: KVStore | None = getattr(runner, "kv_store", None)
     if not isinstance(store, KVStore):
         logger.warning("KV tiers need the runner's KV pages; running without them")
         return None

@@ -1,6 +1,9 @@
 """ModelRunner: a SchedulerOutput in, one token per sampling request out.
 
-Owns the model, the KV tensors (`engine.kv_store.KVStore`) and the sampler. Per step it builds host lists
+Owns the model, the KV tensors (`engine.kv_store.KVStore`), the attention backend, the native decoder stack
+where the architecture declares it, and the sampler: it assembles engine/model's parts (the model from
+`loading`, the backend from `attention.chooser`, the stack from `models.native_stack`) and hands the model one
+`ForwardContext` per step. Per step it builds host lists
 once, sends them with one host->device copy (input ids, positions, slots and logits rows share one int64
 tensor), runs the model, samples, and brings every result back with one device->host sync (tokens and
 logprobs packed into one float64 tensor: token ids are exact in float64).
@@ -24,13 +27,15 @@ from engine.config import EngineConfig
 from engine.grammar_masks import MaskFiller, StepMasks
 from engine.kv_store import KVStore
 from engine.lora.manager import LoRAManager
-from engine.model.attention import AttentionMetadata, slot_ids
-from engine.model.cpu_linear import PackedLinear
-from engine.model.device import resolve_device, resolve_dtype, select_backend
-from engine.model.loader import load_model
-from engine.model.native_kernels import describe as describe_kernels
-from engine.model.native_stack import NativeStack
-from engine.model.quant_linear import QuantLinear
+from engine.model.attention.base import AttentionBackend, AttentionMetadata, slot_ids
+from engine.model.attention.chooser import select_backend
+from engine.model.device import resolve_device, resolve_dtype
+from engine.model.kernels.build import describe as describe_kernels
+from engine.model.layers.linear import PackedLinear
+from engine.model.layers.quant_linear import QuantLinear
+from engine.model.loading.loader import load_model
+from engine.model.models.context import ForwardContext
+from engine.model.models.native_stack import NativeStack
 from engine.model.transfer import index_tensor, to_device
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.sampler import INVALID_TOKEN, LogprobsOut, Sampler, SamplerOutput, token_logprobs
@@ -44,14 +49,13 @@ CUDA_HEADROOM_BYTES = 512 * 2**20  # activations and logits of the largest step 
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        config: EngineConfig,
-    ) -> None:
+    def __init__(self, engine_config: EngineConfig) -> None:
         """Reads model (a resolved directory), device, dtype, block_size, kv_cache_memory, num_blocks,
-        max_num_batched_tokens, max_num_seqs, batch_invariant, quantization and enforce_eager from `config`."""
+        max_num_batched_tokens, max_num_seqs, batch_invariant, quantization, enforce_eager and the LoRA
+        settings from `engine_config`; the model's own config is `self.model_config`."""
+        config = engine_config
         if config.model is None:
-            raise ValueError("the runner needs a model directory (engine.model.files.resolve_model)")
+            raise ValueError("the runner needs a model directory (engine.model.loading.files.resolve_model)")
         block_size, num_blocks = config.block_size, config.num_blocks
         kv_cache_memory, batch_invariant = config.kv_cache_memory, config.batch_invariant
         max_num_batched_tokens, max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs
@@ -65,8 +69,8 @@ class ModelRunner:
             batch_invariant=batch_invariant,
             quantized=config.quantization == "auto",
         )
-        cfg = self.model.cfg
-        self.config = cfg
+        cfg = self.model_config = self.model.cfg
+        self.capabilities = self.model.capabilities  # the native paths the architecture declares
         self.architecture = cfg.architecture
         self.is_causal = cfg.is_causal
         self.max_model_len = cfg.max_position_embeddings
@@ -76,13 +80,14 @@ class ModelRunner:
         shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         if num_blocks is None:
             budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_budget()
-            self.kv = KVStore.from_budget(budget, *shape)
+            self.kv_store = KVStore.from_budget(budget, *shape)
         else:
-            self.kv = KVStore(cfg.num_layers, num_blocks, *shape[1:])
-        self.num_blocks = num_blocks = self.kv.num_blocks
+            self.kv_store = KVStore(cfg.num_layers, num_blocks, *shape[1:])
+        self.num_blocks = num_blocks = self.kv_store.num_blocks
         # Flex pads each request's queries to 16 rows: bound the padded rows of the largest step.
         max_rows = max_num_batched_tokens + 16 * max_num_seqs
-        self.model.attn_backend = select_backend(
+        # The one choice of attention for this engine: every step's ForwardContext carries it.
+        self.attn_backend: AttentionBackend = select_backend(
             self.device,
             num_blocks,
             block_size,
@@ -90,29 +95,37 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             batch_invariant=batch_invariant,
         )
-        self.sampler = Sampler(self.device, cfg.vocab_size)  # EOS ids come with each request (the scheduler's)
+        self.sampler = Sampler(
+            self.device, cfg.vocab_size
+        )  # EOS ids come with each request (the scheduler's)
         self.grammar_masks = MaskFiller(cfg.vocab_size)
         # Adapters add their deltas from Python (engine.lora.layer), which the native stack would skip: with
         # --enable-lora every step runs the Python layers, so a base row's bits never depend on its neighbours.
         self.lora = LoRAManager.from_config(config, self.model, self.device) if config.enable_lora else None
-        self.model.native_stack, why_not = (
-            (None, "--enforce-eager")
-            if config.enforce_eager
-            else (None, "--enable-lora")
-            if self.lora is not None
-            else NativeStack.build(self.model)
-        )
+        self.layer_stack, why_not = self._layer_stack(config.enforce_eager)
         logger.info(
-            "model %s on %s (%s), kernels %s, linears %s, attention backend %s, layers %s, batch invariance %s",
+            "model %s on %s (%s), kernels %s, linears %s, attention backend %s, layers %s, native paths "
+            "declared: %s, batch invariance %s",
             self.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             describe_kernels() if self.device.type == "cpu" else "cuda",
             self.linear_weights,
             self.attention_backend,
-            "in one native call per step" if self.model.native_stack else f"from Python ({why_not})",
+            "in one native call per step" if self.layer_stack else f"from Python ({why_not})",
+            self.capabilities.describe(),
             "on" if batch_invariant else "off",
         )
+
+    def _layer_stack(self, enforce_eager: bool) -> tuple[NativeStack | None, str]:
+        """The native decoder stack where it may run, else (None, why not)."""
+        if enforce_eager:
+            return None, "--enforce-eager"
+        if self.lora is not None:
+            return None, "--enable-lora"
+        if not self.capabilities.native_stack:
+            return None, f"{self.architecture} declares no native decoder stack"
+        return NativeStack.build(self.model, self.attn_backend)
 
     @property
     def linear_weights(self) -> str:
@@ -130,8 +143,8 @@ class ModelRunner:
 
     @property
     def attention_backend(self) -> str:
-        backend = self.model.attn_backend
-        return f"{backend.name} (failed over to sdpa)" if getattr(backend, "failed", None) else backend.name
+        backend = self.attn_backend
+        return f"{backend.name} (failed over to sdpa)" if backend.failed else backend.name
 
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
@@ -142,7 +155,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.block_copies:
-            self.kv.copy_blocks(out.block_copies)
+            self.kv_store.copy_blocks(out.block_copies)
         errors = {r.request_id: why for r in out.scheduled if (why := self._invalid(r)) is not None}
         reqs = [r for r in out.scheduled if r.request_id not in errors] if errors else out.scheduled
         if not reqs:
@@ -204,9 +217,16 @@ class ModelRunner:
 
     def _run(self, step: _Step) -> torch.Tensor:
         """The model over the step: [sampling rows + prompt-logprob rows, vocab] float32 logits."""
-        return self.model(
-            step.input_ids, step.positions, step.meta, self.kv.k_caches, self.kv.v_caches, step.logits_indices
+        ctx = ForwardContext.for_step(
+            self.attn_backend,
+            step.meta,
+            step.positions,
+            self.kv_store.k_caches,
+            self.kv_store.v_caches,
+            step.logits_indices,
+            self.layer_stack,
         )
+        return self.model(step.input_ids, ctx)
 
     def _sample(self, step: _Step, logits: torch.Tensor, masks: StepMasks | None = None) -> RunnerOutput:
         """Sampled tokens and logprobs, brought back with the step's one device->host sync."""

@@ -75,7 +75,7 @@ MUTATIONS = [
     Mutation(
         "rmsnorm-bf16",
         "RMSNorm computed in the activations' dtype (bf16) instead of fp32",
-        "engine/model/llama.py",
+        "engine/model/layers/norm.py",
         "        xf = x.float()\n",
         "        xf = x\n",
         ["tests/engine/test_model_numerics.py"],
@@ -83,7 +83,7 @@ MUTATIONS = [
     Mutation(
         "rmsnorm-eps-x100",
         "RMSNorm eps x100 (passed the old CUDA bf16 tolerance when replayed on CPU)",
-        "engine/model/llama.py",
+        "engine/model/layers/norm.py",
         "keepdim=True) + self.eps)",
         "keepdim=True) + self.eps * 100)",
         ["tests/engine/test_model_numerics.py"],
@@ -91,7 +91,7 @@ MUTATIONS = [
     Mutation(
         "rope-theta-x1.05",
         "rope_theta x1.05 (passed the old CUDA bf16 tolerance when replayed on CPU)",
-        "engine/model/llama.py",
+        "engine/model/layers/rotary.py",
         "inv = 1.0 / (cfg.rope_theta ** (",
         "inv = 1.0 / ((cfg.rope_theta * 1.05) ** (",
         ["tests/engine/test_model_numerics.py"],
@@ -99,7 +99,7 @@ MUTATIONS = [
     Mutation(
         "attn-scale-x1.05",
         "attention scale x1.05 (passed the old CUDA bf16 tolerance when replayed on CPU)",
-        "engine/model/llama.py",
+        "engine/model/models/llama.py",
         "self.scale = cfg.head_dim**-0.5",
         "self.scale = cfg.head_dim**-0.5 * 1.05",
         ["tests/engine/test_model_numerics.py"],
@@ -107,7 +107,7 @@ MUTATIONS = [
     Mutation(
         "llama3-smooth-x0.9",
         "llama3 RoPE smoothing scaled by 0.9",
-        "engine/model/llama.py",
+        "engine/model/layers/rotary.py",
         "smooth = (old_len / wavelen - low) / (high - low)",
         "smooth = 0.9 * (old_len / wavelen - low) / (high - low)",
         ["tests/engine/test_model_numerics.py"],
@@ -115,7 +115,7 @@ MUTATIONS = [
     Mutation(
         "linear-rope-dropped",
         "linear RoPE scaling dropped",
-        "engine/model/llama.py",
+        "engine/model/layers/rotary.py",
         'inv = inv / p["factor"]',
         "inv = inv",
         ["tests/engine/test_model_numerics.py"],

@@ -1,8 +1,8 @@
 """The low-rank product of one adapter target, `x A^T (s B)^T` in float32, with every row's bits fixed.
 
 Batch invariance (DESIGN.md) asks that a row's delta not depend on how many rows share the product. On CPU
-both products run on oneDNN's packed float32 kernel (`cpu_linear`'s, on weights reordered once), padded to the
-row multiple that `cpu_linear.probe_row_multiple` measures for the shape on this machine, strictly: the same
+both products run on oneDNN's packed float32 kernel (`engine.model.layers.linear`'s, on weights reordered once), padded to the
+row multiple that `layers.linear.probe_row_multiple` measures for the shape on this machine, strictly: the same
 kernel and probe the base model's dense linears rely on. Elsewhere (CUDA, or a CPU build without packed kernels) they are
 plain float32 matmuls on the device.
 
@@ -48,7 +48,7 @@ class TargetDelta(nn.Module):
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: None) -> torch.Tensor:
-    """cpu_linear's packed product (the kernel its probe measures), on a weight reordered by this module."""
+    """layers.linear's packed product (the kernel its probe measures), on a weight reordered by this module."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

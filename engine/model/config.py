@@ -1,9 +1,10 @@
 """What the model code needs from a HF `config.json`, read without transformers.
 
-Owns the map of supported architectures (`ARCHITECTURES`: what each of the Llama family (Llama, Mistral,
-Qwen2, Qwen3) does differently: which projections carry a bias, whether q/k are RMS-normed per head, which
-layers use a sliding window, the model class, the checkpoint's tensor names), and how RoPE is scaled. A new
-Llama-like architecture is one entry there. Anything we cannot reproduce exactly raises
+Owns how each supported architecture's config reads (`ARCHITECTURES`: what each of the Llama family (Llama,
+Mistral, Qwen2, Qwen3) does differently: which projections carry a bias, whether q/k are RMS-normed per head,
+which layers use a sliding window, the checkpoint's tensor names), and how RoPE is scaled. The class that runs
+an architecture, and the native paths it declares, are `models.registry`'s: a new Llama-like architecture is
+an entry in each. Anything we cannot reproduce exactly raises
 `UnsupportedModelError` with a message that names the offending field, rather than silently computing
 something different from the reference implementation.
 """
@@ -28,7 +29,6 @@ class Architecture:
     # Which layers `sliding_window` applies to: "none"; "all"; "qwen": per `layer_types`, else the layers from
     # `max_window_layers` on, and only with `use_sliding_window` or `layer_types`.
     sliding_window: str = "none"
-    model_class: str = "llama"  # a key of engine.model.loader.MODEL_CLASSES
     # Checkpoint tensor-name prefixes renamed to Llama's before loading, e.g. (("transformer.h.", "model.layers."),).
     weight_renames: tuple[tuple[str, str], ...] = ()
 

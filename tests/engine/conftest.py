@@ -83,16 +83,28 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Tiny
 
 
 class Paged:
-    """Runs our model step by step over a paged cache; hands out block ids in shuffled order."""
+    """Runs our model step by step over a paged cache; hands out block ids in shuffled order. `backend`:
+    the attention (default: the runner's choice on CPU, the SDPA reference elsewhere); `stack`: a native
+    layer stack to hand the model in every step's context."""
 
-    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0, backend=None, stack=None
+    ) -> None:
         from attention_helpers import build_metadata
 
-        self._build = build_metadata
+        from engine.model.attention.chooser import select_backend
+        from engine.model.attention.sdpa import SdpaBackend
+        from engine.model.models.context import ForwardContext
+
+        self._build, self._context = build_metadata, ForwardContext
         cfg = model.cfg
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         weight = model.embed_tokens.weight
         self.device = weight.device
+        if backend is None and self.device.type == "cpu":
+            backend = select_backend(self.device, num_blocks, block_size, head_dim=cfg.head_dim)
+        self.backend = backend if backend is not None else SdpaBackend(self.device)
+        self.stack = stack
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=weight.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros_like(x) for x in self.k]
@@ -119,7 +131,9 @@ class Paged:
             self.device,
         )
         dev = torch.tensor([ids, pos], dtype=torch.int64).to(self.device)
-        logits = self.model(dev[0], dev[1], meta, self.k, self.v, torch.arange(len(ids), device=self.device))
+        rows = torch.arange(len(ids), device=self.device)
+        ctx = self._context.for_step(self.backend, meta, dev[1], self.k, self.v, rows, self.stack)
+        logits = self.model(dev[0], ctx)
         return list(logits.split([len(n) for n, _, _ in batch]))
 
 

@@ -77,7 +77,7 @@ async def answer(eng, prompt, name, max_tokens=6):
 
 def test_startup_names_the_python_layer_path(engine):
     runner = engine._core.runner
-    assert runner.lora is not None and runner.model.native_stack is None
+    assert runner.lora is not None and runner.layer_stack is None
     layer = runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(layer, LoRALinear) and isinstance(layer.base, QuantLinear)
 

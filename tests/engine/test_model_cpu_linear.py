@@ -66,7 +66,7 @@ def test_packed_model_matches_unpacked(arch, tiny_model, paged, tmp_path, dtype)
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     # qkv, o, gate_up, down per layer, and the head (its own, or a packed copy of a tied embedding)
     assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * packed.cfg.num_layers + 1
-    assert (packed.packed_lm_head is not None) == (packed.lm_head is None)  # tied heads get a packed copy
+    assert isinstance(packed.lm_head, PackedLinear)  # tied heads get a packed copy of the embedding
     for a, b in zip(_steps(paged, plain), _steps(paged, packed), strict=True):
         assert torch.allclose(a, b, atol=TOLERANCE[dtype], rtol=0), (a - b).abs().max()
 
@@ -77,7 +77,7 @@ def test_float16_and_non_cpu_are_not_packed(tiny_model):
     assert not packing_supported(torch.device("cuda"), torch.bfloat16)
     model = load_model(tiny_model("qwen2").path, CPU, torch.float16, batch_invariant=False)
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
-    assert model.packed_lm_head is None
+    assert not isinstance(model.lm_head, PackedLinear)
 
 
 def test_a_dtype_whose_linears_cannot_be_invariant_is_a_startup_error(tiny_model):

@@ -158,8 +158,8 @@ def _mixed_steps(run, tiny):
 def test_compiled_flex_on_cpu_matches_transformers(name, tiny_model, paged):
     tiny = tiny_model(name)
     model = load_model(tiny.path, torch.device("cpu"), torch.float32)
-    run = paged(model, num_blocks=32, block_size=4)
-    model.attn_backend = backend = FlexBackend(torch.device("cpu"), 32, 4, max_rows=256, compile=True)
+    backend = FlexBackend(torch.device("cpu"), 32, 4, max_rows=256, compile=True)
+    run = paged(model, num_blocks=32, block_size=4, backend=backend)
     for ours, ref in _mixed_steps(run, tiny):
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
     assert backend.failed is None and backend.succeeded
@@ -181,8 +181,8 @@ def test_cuda_flex_matches_transformers(name, dtype, tiny_model, paged):
     tiny = tiny_model(name)
     dev = torch.device("cuda")
     model = load_model(tiny.path, dev, dtype)
-    run = paged(model, num_blocks=64, block_size=16)
-    model.attn_backend = backend = select_backend(dev, 64, 16)
+    backend = select_backend(dev, 64, 16)
+    run = paged(model, num_blocks=64, block_size=16, backend=backend)
     assert backend.name == "flex"
     if dtype == torch.float32:
         ref_model, tol = tiny, dict(atol=2e-3, rtol=2e-3)
@@ -244,13 +244,13 @@ def test_flex_equals_sdpa_reference_on_random_batches(device, tiny_model, paged,
         run = paged(model, num_blocks=128, block_size=16)
         batch = [([rng.randrange(128) for _ in range(c + n)], c, n, t) for c, n, t in reqs]
         # Fill each context first (reference path), then compare the step itself on both backends.
-        model.attn_backend = ref
+        run.backend = ref
         fill = [(toks[:c], 0, t) for toks, c, n, t in batch if c > 0]
         if fill:
             run.step(fill)
         step = [(toks[c:], c, t) for toks, c, n, t in batch]
         want = run.step(step)
-        model.attn_backend = flex
+        run.backend = flex
         got = run.step(step)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-3)

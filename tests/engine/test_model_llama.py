@@ -13,7 +13,9 @@ import random
 import pytest
 import torch
 
+from engine.model.attention.chooser import select_backend
 from engine.model.loading.loader import load_model
+from engine.model.models.context import ForwardContext
 
 TOL = dict(atol=2e-4, rtol=2e-4)
 
@@ -108,9 +110,10 @@ def test_logits_only_for_requested_rows(arch, tiny_model):
     v = [torch.zeros_like(x) for x in k]
     p1, p2 = _tokens(5, 30), _tokens(6, 31)
     meta = build_metadata([0, 0], [5, 6], [[3, 1], [6, 0]], 4, torch.device("cpu"))
-    logits = model(
-        torch.tensor(p1 + p2), torch.tensor([*range(5), *range(6)]), meta, k, v, torch.tensor([4, 10])
-    )
+    backend = select_backend(torch.device("cpu"), 8, 4, head_dim=cfg.head_dim)
+    positions = torch.tensor([*range(5), *range(6)])
+    ctx = ForwardContext.for_step(backend, meta, positions, k, v, torch.tensor([4, 10]))
+    logits = model(torch.tensor(p1 + p2), ctx)
     assert logits.shape == (2, cfg.vocab_size) and logits.dtype == torch.float32
     torch.testing.assert_close(logits[0], tiny.logits(p1)[-1], **TOL)
     torch.testing.assert_close(logits[1], tiny.logits(p2)[-1], **TOL)

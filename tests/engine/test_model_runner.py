@@ -100,7 +100,7 @@ def test_properties_and_kv_sizing(runner_for):
     assert runner.architecture == "Qwen3ForCausalLM" and runner.is_causal
     assert runner.vocab_size == 128 and runner.max_model_len == 256
     assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
-    assert runner.kv.k_caches[0].shape == (20, 4, 2, 32)
+    assert runner.kv_store.k_caches[0].shape == (20, 4, 2, 32)
     per_block = 2 * 2 * 4 * 2 * 32 * 4  # K and V, 2 layers, 4 tokens, 2 kv heads, head_dim 32, float32
     by_memory, _ = runner_for("qwen3", num_blocks=None, kv_cache_memory=10 * per_block + 5)
     assert by_memory.num_blocks == 10

@@ -55,15 +55,13 @@ def _quantized_tiny(tiny_model, dtype: torch.dtype, kernels: native_kernels.Kern
             kind = KINDS[(i + j) % len(KINDS)]
             raw = quants.quantize(w, kind)
             setattr(owner, attr, QuantLinear(kernels, kind, raw, lin.in_features, lin.bias))
-    model.attn_backend = NativeBackend(kernels)
     return model
 
 
 def _steps(paged_cls, model, stack: NativeStack | None) -> list[torch.Tensor]:
     """A chunked prefill, a second request starting on the first's blocks in the same step, then decodes:
-    every new token's logits."""
-    model.native_stack = stack
-    p = paged_cls(model, block_size=16)
+    every new token's logits, with the native attention (and the stack, where given)."""
+    p = paged_cls(model, block_size=16, backend=NativeBackend(_kernels()), stack=stack)
     a = [(5 * i + 3) % 128 for i in range(45)]
     ta, tb = p.table_for(64), p.table_for(64)
     b = a[:32] + [7, 8, 9]
@@ -78,7 +76,7 @@ def _steps(paged_cls, model, stack: NativeStack | None) -> list[torch.Tensor]:
 def test_the_stack_gives_the_bits_of_the_layers_run_from_python(tiny_model, paged, dtype):
     kernels = _kernels()
     model = _quantized_tiny(tiny_model, dtype, kernels)
-    stack, why = NativeStack.build(model)
+    stack, why = NativeStack.build(model, NativeBackend(kernels))
     assert stack is not None, why
     with_stack = _steps(paged, model, stack)
     from_python = _steps(paged, model, None)
@@ -95,20 +93,18 @@ def test_the_stack_steps_aside_where_a_piece_has_no_kernel(tiny_model, caplog):
     from engine.model.loading.loader import load_model
     from engine.model_runner import ModelRunner
 
+    native = NativeBackend(kernels)
     dense = load_model(tiny_model("llama").path, torch.device("cpu"), torch.float32)
-    dense.attn_backend = NativeBackend(kernels)
-    assert NativeStack.build(dense) == (None, "dense linears")
+    assert NativeStack.build(dense, native) == (None, "dense linears")
     quantized = _quantized_tiny(tiny_model, torch.float32, kernels)
-    quantized.attn_backend = SdpaBackend(torch.device("cpu"))
-    assert NativeStack.build(quantized) == (None, "attention backend sdpa")
+    assert NativeStack.build(quantized, SdpaBackend(torch.device("cpu"))) == (None, "attention backend sdpa")
     qwen3 = load_model(tiny_model("qwen3").path, torch.device("cpu"), torch.float32)
-    qwen3.attn_backend = NativeBackend(kernels)
-    assert NativeStack.build(qwen3) == (None, "q/k norms")
+    assert NativeStack.build(qwen3, native) == (None, "q/k norms")
     # The runner says which path runs, and --enforce-eager keeps the Python one.
     path = str(tiny_model("llama").path)
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
         runner = ModelRunner(EngineConfig(model=path, device="cpu", num_blocks=8, enforce_eager=True))
-    assert runner.model.native_stack is None and "layers from Python (--enforce-eager)" in caplog.text
+    assert runner.layer_stack is None and "layers from Python (--enforce-eager)" in caplog.text
 
 
 @pytest.mark.slow
@@ -129,7 +125,7 @@ def test_the_default_model_runs_its_layers_in_one_call_with_the_same_bits(dtype,
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
         runner = ModelRunner(EngineConfig(model=path, device="cpu", dtype=dtype, num_blocks=16))
     assert "layers in one native call per step" in caplog.text
-    stack = runner.model.native_stack
+    stack = runner.layer_stack
     assert stack is not None
     greedy = SamplingParams(temperature=0.0)
     prompt = [1, 504, 3458, 282, 4649, 314, 2385, 30] * 5
@@ -143,9 +139,9 @@ def test_the_default_model_runs_its_layers_in_one_call_with_the_same_bits(dtype,
     ]
     for scheduled in steps:
         step = runner._prepare(scheduled)
-        runner.model.native_stack = stack
+        runner.layer_stack = stack
         one_call = runner._run(step)
-        runner.model.native_stack = None
+        runner.layer_stack = None
         from_python = runner._run(step)
         assert torch.equal(one_call, from_python), isa_summary()
         runner.execute(SchedulerOutput(scheduled, sum(len(s.new_token_ids) for s in scheduled)))

@@ -154,7 +154,7 @@ def test_the_default_model_runs_its_gguf_blocks_and_agrees_with_dequantized_weig
     quant = load_model(path, torch.device("cpu"), dtype)
     kinds = [m.kind for m in quant.modules() if isinstance(m, QuantLinear)]
     assert kinds.count("Q4_1") == 4 * quant.cfg.num_layers
-    assert isinstance(quant.packed_lm_head, QuantLinear) and quant.packed_lm_head.kind == "Q8_0"
+    assert isinstance(quant.lm_head, QuantLinear) and quant.lm_head.kind == "Q8_0"  # the tied head
     dense = load_model(path, torch.device("cpu"), torch.float32, quantized=False)
     x = dense.embed_tokens(torch.tensor([1, 504, 3458, 282, 4649, 314, 2385, 30]))  # any real activations
     for lq, ld in zip(quant.layers, dense.layers, strict=True):

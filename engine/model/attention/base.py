@@ -47,7 +47,16 @@ def slot_ids(block_table: list[int], start: int, end: int, block_size: int) -> l
 
 
 class AttentionBackend(Protocol):
+    """What the model asks of a backend. Its capabilities are attributes, declared by each backend:
+
+    - `reads_keys_from_cache`: `forward` reads every key and value from the caches, never its k and v
+      arguments, so the model may write the cache itself and hand it empty ones (the fused RoPE + write);
+    - `failed`: why the backend gave up and serves through its fallback (None while it runs as itself).
+    """
+
     name: str
+    reads_keys_from_cache: bool
+    failed: str | None
 
     def plan(self, meta: AttentionMetadata) -> Any:
         """Per-step preparation shared by every layer (masks, index tensors)."""

@@ -25,16 +25,6 @@ from engine.model.kernels.build import load as load_kernels
 logger = logging.getLogger(__name__)
 
 
-def default_backend(device: torch.device, head_dim: int, batch_invariant: bool = True) -> AttentionBackend:
-    """The attention a freshly loaded model starts with: batch-invariant on CPU (native where the kernels
-    build, else tiled), SDPA otherwise."""
-    if device.type != "cpu":
-        return SdpaBackend(device)
-    if batch_invariant:
-        return cpu_invariant_backend(device, head_dim)
-    return _native_backend()[0] or SdpaBackend(device)
-
-
 def _native_backend() -> tuple[AttentionBackend | None, str]:
     """(Brine's C++ attention, "") where the kernels build, else (None, why not). It is invariant, and on CPU
     also the fastest attention without invariance (it reads the cache in place, and lets the layers run as one
@@ -48,7 +38,7 @@ def _native_backend() -> tuple[AttentionBackend | None, str]:
 def cpu_invariant_backend(
     device: torch.device, head_dim: int | None, choice: str = "auto"
 ) -> AttentionBackend:
-    """Brine's C++ paged attention (`native_attention`) where it builds, else the tiled torch one. `choice`
+    """Brine's C++ paged attention (`attention.native`) where it builds, else the tiled torch one. `choice`
     "native" insists (an error where it cannot build), "tiled" never tries."""
     if choice != "tiled":
         native, why = _native_backend()

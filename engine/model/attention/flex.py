@@ -15,7 +15,7 @@ whole KV cache viewed as a single sequence of `num_blocks * block_size` slots:
 The mask functions close over persistent buffers, so the compiled kernel is reused across steps. The host
 planning (`plan_tiles`) is plain numpy and is tested on CPU against a dense mask.
 
-Batch invariance (the default; see `invariance` and `tiled_attention`): every request, fresh ones included,
+Batch invariance (the default; see `kernels.invariance` and `attention.tiled`): every request, fresh ones included,
 goes through the one flex call, and every visible block is listed as partial, in logical order. The kernel
 then walks each query row's blocks in the same order with the same online-softmax steps whatever the tile's
 other rows are (a full/partial split would depend on them: a decode row and the same row inside a prefill
@@ -135,6 +135,7 @@ class FlexBackend:
     """FlexAttention over the paged cache; falls back to `SdpaBackend` if flex cannot run here."""
 
     name = "flex"
+    reads_keys_from_cache = False  # fresh prefills (without batch invariance) attend over their new k/v
 
     def __init__(
         self,

@@ -1,10 +1,10 @@
 """Batch-invariant paged attention that reads the KV cache in place: the CPU default where it builds.
 
-The tiled backend (`tiled_attention`) is made of torch ops, so every layer of every step gathers each
+The tiled backend (`attention.tiled`) is made of torch ops, so every layer of every step gathers each
 request's whole context out of the paged cache into contiguous float32 tiles before multiplying: a warm
 request whose 2,000 tokens are cached paid for copying them 30 times per step, and a decode paid ~25 small
 ops of dispatch per layer. This backend hands the cache, the block tables and the queries to one C++ kernel
-per layer (`csrc/paged_attention.cpp`, built by `native_kernels`) that walks each request's blocks where
+per layer (`kernels/csrc/paged_attention.cpp`, built by `kernels.build`) that walks each request's blocks where
 they lie, in float32 (scores and an exact max, then weights x values): the only cost that grows with cached
 tokens is reading them.
 
@@ -37,9 +37,8 @@ class NativePlan:
 def item_tokens(query_len: int, threads: int) -> int:
     """Tokens per work item for a request with `query_len` new tokens: as many items as threads (each item
     is then one per KV head, so there are several per thread), at most MAX_ITEM_TOKENS: bigger items convert
-    each block once for more rows. Results do not depend on it. (Measured on the default model's shape, 2
-    threads: a 16-token warm chunk over 2,000 cached tokens took 0.96 ms per layer with 4-token items, 0.80
-    with 8, 0.95 with 16, where only 3 items are left for 2 threads.)"""
+    each block once for more rows, but too few items leave threads idle. Results do not depend on it
+    (benchmarks/attention_bench.py measures the trade-off)."""
     return max(1, min(MAX_ITEM_TOKENS, -(-query_len // max(1, threads))))
 
 
@@ -50,6 +49,7 @@ class NativeBackend:
     # forward reads every key and value from the caches, never its k and v arguments: the model may hand
     # it empty ones after writing the cache itself (fused_ops.rope_and_write).
     reads_keys_from_cache = True
+    failed: str | None = None
 
     def __init__(self, kernels: Kernels) -> None:
         self.kernels = kernels

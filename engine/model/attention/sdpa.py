@@ -73,6 +73,8 @@ class SdpaBackend:
     """Reference paged attention on `scaled_dot_product_attention` (any device)."""
 
     name = "sdpa"
+    reads_keys_from_cache = False  # the fresh prefills attend over their new k/v
+    failed: str | None = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -106,6 +106,10 @@ class TiledBackend:
     """Batch-invariant paged attention (see the module docstring). Works on any device; CPU's default."""
 
     name = "tiled"
+    # It reads only the caches too, but it runs where the kernels do not build, so the fused write never
+    # applies: not declared, the model writes with torch, as the tiled numerics were checked.
+    reads_keys_from_cache = False
+    failed: str | None = None
 
     def __init__(self, device: torch.device, head_dim: int | None = None) -> None:
         self.device = device

@@ -1,4 +1,4 @@
-"""Brine's own CPU kernels (engine/model/csrc/): compiled once per machine with the system C++ compiler.
+"""Brine's own CPU kernels (engine/model/kernels/csrc/): compiled once per machine with the system C++ compiler.
 
 Why not a torch C++ extension: its headers take ~30 s to compile and it needs ninja; these kernels take plain
 pointers, so plain `g++` builds them (~7 s on 2 cores, the sources side by side), and ctypes (which releases
@@ -162,8 +162,14 @@ def _build(compiler: str, target: Path, csrc: Path | None = None, flags: tuple[s
         os.replace(tmp, target)
 
 
+def baseline_csrc(checkout: Path) -> Path:
+    """Another checkout's kernel sources: engine/model/kernels/csrc, or engine/model/csrc before issue 34."""
+    moved = checkout / "engine" / "model" / "kernels" / "csrc"
+    return moved if moved.is_dir() else checkout / "engine" / "model" / "csrc"
+
+
 def build_baseline(csrc: Path, target: Path) -> Kernels:
-    """Another checkout's kernels (its `engine/model/csrc`), built into `target` and bound, for before / after
+    """Another checkout's kernels (`baseline_csrc`), built into `target` and bound, for before / after
     benchmarks in one process (benchmarks/attention_bench.py --baseline). Raises where they do not build or
     have other ABIs."""
     compiler = _compiler()

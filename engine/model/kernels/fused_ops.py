@@ -1,4 +1,4 @@
-"""The decoder's elementwise steps as one native call each on CPU (csrc/elementwise.cpp), torch elsewhere.
+"""The decoder's elementwise steps as one native call each on CPU (kernels/csrc/elementwise.cpp), torch elsewhere.
 
 - `add_rms_norm(h, delta, norm)`: (h + delta, norm(h + delta)), the residual add fused with the next RMSNorm;
 - `rms_norm(h, norm)`: norm(h);

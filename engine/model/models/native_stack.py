@@ -1,25 +1,31 @@
-"""The decoder layers of a step as one native call (csrc/decoder_stack.cpp), where every piece has a kernel.
+"""The decoder layers of a step as one native call (kernels/csrc/decoder_stack.cpp), where every piece has a kernel.
 
 Why: with quantized linears, fused elementwise kernels and the native attention, a layer is ~10 kernel calls,
 and on one row each call's Python side (module dispatch, allocation, ctypes' argument conversion) cost about
-as much as its arithmetic: ~2 ms of a ~10 ms decode step. The stack runs the same kernels in the same order
+as much as its arithmetic: a fifth of a decode step (benchmarks/profile_step.py shows it). The stack runs the same kernels in the same order
 on the same arguments, from C, with one allocation per step; the bits are those of the Python path, which
 stays for everything else (CUDA, float16, Qwen3's q/k norms, dense linears, other attention backends).
 
-`NativeStack.build(model)` says whether it applies (None, with the reason, where not); `run()` replaces the
-layer loop of `LlamaForCausalLM.forward` and returns the final norm of every row.
+`NativeStack.build(model, backend)` says whether it applies (None, with the reason, where not); the runner
+builds one only where the architecture declares `native_stack` (models.registry), since the stack runs Llama's
+layer as written here and would skip any change a variant makes in Python. `run()` replaces the layer loop of
+`LlamaForCausalLM.forward` (the runner hands it over in the step's ForwardContext) and returns the final norm
+of every row.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 
+from engine.model.attention.base import AttentionBackend
 from engine.model.attention.native import NativeBackend, NativePlan
 from engine.model.kernels.build import FLOAT32_BF16_CODES, load
 from engine.model.layers.quant_linear import QuantLinear
+from engine.model.models.context import ForwardContext
+from engine.model.models.llama import LlamaForCausalLM
 
 _I64, _F64, _P = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
@@ -74,14 +80,14 @@ def _linear(module: torch.nn.Module) -> _Linear:
 
 
 class NativeStack:
-    def __init__(self, model, fn) -> None:  # model: LlamaForCausalLM (not imported: llama imports this)
+    def __init__(self, model: LlamaForCausalLM, fn: Callable[..., int]) -> None:
         cfg = model.cfg
         self.fn = fn
         self.dtype = model.embed_tokens.weight.dtype
         self.hidden, self.heads, self.kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         self.head_dim, self.intermediate = cfg.head_dim, cfg.intermediate_size
         self.layers = (_Layer * cfg.num_layers)()
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(model.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers[i] = _Layer(
                 layer.input_layernorm.weight.data_ptr(),
@@ -111,8 +117,9 @@ class NativeStack:
         )
 
     @classmethod
-    def build(cls, model) -> tuple[NativeStack | None, str]:
-        """(the stack, "") where every piece of every layer runs natively, else (None, why not)."""
+    def build(cls, model: LlamaForCausalLM, backend: AttentionBackend) -> tuple[NativeStack | None, str]:
+        """(the stack, "") where every piece of every layer runs natively with `backend`, else (None, why
+        not). The caller checks first that the architecture declares the stack."""
         kernels, why = load()
         if kernels is None or kernels.decoder_stack is None:
             return None, why or "no decoder-stack kernel on this CPU"
@@ -120,11 +127,11 @@ class NativeStack:
         dtype = model.embed_tokens.weight.dtype
         if model.embed_tokens.weight.device.type != "cpu" or dtype not in FLOAT32_BF16_CODES:
             return None, f"runs on CPU in float32 or bfloat16, not {dtype}"
-        if not isinstance(model.attn_backend, NativeBackend):
-            return None, f"attention backend {model.attn_backend.name}"
+        if not isinstance(backend, NativeBackend):
+            return None, f"attention backend {backend.name}"
         if cfg.qk_norm:
             return None, "q/k norms"
-        for layer in model.layers:
+        for layer in model.decoder_layers:
             linears = (
                 layer.self_attn.qkv_proj,
                 layer.self_attn.o_proj,
@@ -135,7 +142,7 @@ class NativeStack:
                 return None, "dense linears"
         norms = [
             model.norm,
-            *(n for ly in model.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)),
+            *(n for ly in model.decoder_layers for n in (ly.input_layernorm, ly.post_attention_layernorm)),
         ]
         if any(n.weight.dtype != dtype for n in norms):
             return None, "norm weights in another dtype"
@@ -145,13 +152,11 @@ class NativeStack:
         self,
         h: torch.Tensor,  # [T, hidden]: the embeddings
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D / 2] in the model dtype
-        plan: object,
-        slot_mapping: torch.Tensor,  # [T]
-        k_caches: Sequence[torch.Tensor],
-        v_caches: Sequence[torch.Tensor],
+        ctx: ForwardContext,
     ) -> torch.Tensor | None:
         """The final norm of every row's last hidden state [T, hidden], or None where this step is not one the
         stack runs (the caller then runs the layers itself)."""
+        plan, slot_mapping, k_caches, v_caches = ctx.plan, ctx.slot_mapping, ctx.k_caches, ctx.v_caches
         if not isinstance(plan, NativePlan) or h.dtype != self.dtype or k_caches[0].dtype != self.dtype:
             return None
         t, d = h.shape[0], self.head_dim
