@@ -2,15 +2,24 @@
 (one that routes requests to the replica already holding their prefix) consumes. Torch-free records only.
 
 `PrefixCacheStats` is the one record of the prefix cache's counters: the manager fills it, the engine hands
-it on whole inside `metrics.stats.SchedulerStats.prefix_cache`, and the stat loggers read its fields. A new
-counter is a field here, the line in `KVCacheManager` that counts it, and its metric in
-`metrics/prometheus.py`; nothing between them lists the fields again."""
+it on whole inside `metrics.stats.SchedulerStats.prefix_cache`, and the stat loggers read its fields. A field
+that declares its metric (`metadata={"metric": (kind, name, help)}`, kind "counter": increased by the value of
+every record, or "gauge": set to it) is exported by `metrics.prometheus` as it is. So a new counter is a
+field here, the line in `KVCacheManager` that counts it, and its row in docs/metrics.md; nothing between them
+lists the fields again."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_cache.hashing import BlockHash
+
+
+def metric_field(kind: str, name: str, doc: str, default: float = 0) -> Any:
+    """A numeric field whose metric `metrics.prometheus` exports as declared: a "counter" (increased by the
+    field's value in every record) or a "gauge" (set to it), named `name`, with `doc` as its HELP."""
+    return field(default=default, metadata={"metric": (kind, name, doc)})
 
 
 @dataclass(slots=True)
@@ -24,18 +33,54 @@ class PrefixCacheStats:
     """
 
     requests: int = 0
-    queries: int = 0
-    hits: int = 0
+    queries: int = metric_field(
+        "counter",
+        "brine_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache, once per request at first scheduling.",
+    )
+    hits: int = metric_field(
+        "counter",
+        "brine_prefix_cache_hits",
+        "Of the looked-up prompt tokens, those found in the prefix cache.",
+    )
     preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
+    preempted_queries: int = metric_field(
+        "counter",
+        "brine_prefix_cache_preempted_queries",
+        "Prompt tokens looked up again when a preempted request is rescheduled.",
+    )
+    preempted_hits: int = metric_field(
+        "counter",
+        "brine_prefix_cache_preempted_hits",
+        "Of the preempted lookups, tokens found in the prefix cache.",
+    )
     # Of `hits`, tokens in blocks of a declared public prefix (shared by every namespace).
-    public_hits: int = 0
-    evictions: int = 0  # cached blocks whose hash was dropped because the block was reallocated
+    public_hits: int = metric_field(
+        "counter",
+        "brine_prefix_cache_public_hits",
+        "Of the prefix-cache hits, tokens in blocks of a declared public prefix (shared by every tenant).",
+    )
+    # Cached blocks whose hash was dropped because the block was reallocated.
+    evictions: int = metric_field(
+        "counter",
+        "brine_prefix_cache_evictions",
+        "Cached KV blocks whose prefix hash was dropped to reuse the block.",
+    )
     # Of `hits`, tokens loaded from a tier behind the pool ("host" | "disk"): the rest came from the pool.
+    # Exported by hand (a label per tier, the pool's share derived): no declared metric.
     tier_hits: dict[str, int] = field(default_factory=dict)
-    retained_blocks: int = 0  # blocks held for retention requests now (kv_cache.retention)
-    retention_expiries: int = 0  # retained blocks whose TTL ran out
+    # Blocks held for retention requests now (kv_cache.retention).
+    retained_blocks: int = metric_field(
+        "gauge",
+        "brine_num_retained_blocks",
+        "KV blocks kept in the pool for retention requests until their TTL (never evicted meanwhile).",
+    )
+    # Retained blocks whose TTL ran out.
+    retention_expiries: int = metric_field(
+        "counter",
+        "brine_kv_retention_expiries",
+        "KV blocks retained for a retention request (prompt_cache_retention, cache_control ttl) whose TTL ran out.",
+    )
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool, num_public_hits: int = 0) -> None:
         if preempted:

@@ -4,6 +4,11 @@ Every metric is named `brine_*` and carries one label, `model_name`, plus `finis
 counter. Nothing tenant-specific ever becomes a label (no cache salt, no API key): labels are public to
 whoever can scrape, and a per-tenant label would also grow the series count without bound.
 
+The plain counters and gauges are declared where their value is: on the fields of `SchedulerStats`,
+`IterationStats` and kv_cache's `PrefixCacheStats` (`kv_cache.stats.metric_field`), and exported from there
+as they are, so adding one touches its record, the line that fills it and docs/metrics.md, not this file.
+Labelled series, histograms and derived values (the pool's share of the tier hits) are written out here.
+
 Each logger owns its own `CollectorRegistry`, so two engines (or two tests) in one process never share or
 collide on series. Counters start at 0 when the logger is built and are never reset: resetting the prefix
 cache empties the cache, not the history of what it served.
@@ -12,6 +17,8 @@ cache empties the cache, not the history of what it served.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import fields
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -77,37 +84,18 @@ class PrometheusStatLogger(StatLogger):
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, label, buckets=buckets, registry=reg).labels(model_name)
 
-        # Counters (prometheus-client appends `_total` to the exposed sample name).
-        self.prefix_cache_queries = counter(
-            "brine_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache, once per request at first scheduling.",
-        )
-        self.prefix_cache_hits = counter(
-            "brine_prefix_cache_hits", "Of the looked-up prompt tokens, those found in the prefix cache."
-        )
-        self.prefix_cache_preempted_queries = counter(
-            "brine_prefix_cache_preempted_queries",
-            "Prompt tokens looked up again when a preempted request is rescheduled.",
-        )
-        self.prefix_cache_preempted_hits = counter(
-            "brine_prefix_cache_preempted_hits",
-            "Of the preempted lookups, tokens found in the prefix cache.",
-        )
-        self.prefix_cache_public_hits = counter(
-            "brine_prefix_cache_public_hits",
-            "Of the prefix-cache hits, tokens in blocks of a declared public prefix (shared by every tenant).",
-        )
-        self.prefix_cache_evictions = counter(
-            "brine_prefix_cache_evictions",
-            "Cached KV blocks whose prefix hash was dropped to reuse the block.",
-        )
-        self.num_preemptions = counter(
-            "brine_num_preemptions", "Requests preempted (KV blocks freed, recomputed)."
-        )
-        self.prompt_tokens = counter(
-            "brine_prompt_tokens", "Prompt tokens computed by the model (prefix-cache hits are not computed)."
-        )
-        self.generation_tokens = counter("brine_generation_tokens", "Tokens generated.")
+        # The plain counters and gauges the records declare on their fields (`metric_field`), exported as
+        # they are: (field, Counter.inc or Gauge.set) per record type. Counters: prometheus-client appends
+        # `_total` to the exposed sample name.
+        self._declared: dict[type, list[tuple[str, Callable[[float], None]]]] = {}
+        for record_type in (SchedulerStats, PrefixCacheStats, IterationStats):
+            exports = self._declared[record_type] = []
+            for f in fields(record_type):
+                if "metric" in f.metadata:
+                    kind, name, doc = f.metadata["metric"]
+                    exports.append(
+                        (f.name, counter(name, doc).inc if kind == "counter" else gauge(name, doc).set)
+                    )
         success = Counter(
             "brine_request_success",
             "Finished requests, by finish reason.",
@@ -139,21 +127,6 @@ class PrometheusStatLogger(StatLogger):
             "Requests added per LoRA adapter.",
             ["model_name", "lora_name"],
             registry=reg,
-        )
-        self.retention_expiries = counter(
-            "brine_kv_retention_expiries",
-            "KV blocks retained for a retention request (prompt_cache_retention, cache_control ttl) whose TTL ran out.",
-        )
-        # Gauges: the state after the latest step.
-        self.num_running = gauge("brine_num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("brine_num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("brine_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
-        self.num_cached_blocks = gauge(
-            "brine_num_cached_blocks", "KV blocks holding a prefix hash (reusable by a later request)."
-        )
-        self.num_retained_blocks = gauge(
-            "brine_num_retained_blocks",
-            "KV blocks kept in the pool for retention requests until their TTL (never evicted meanwhile).",
         )
 
         # Histograms.
@@ -242,16 +215,13 @@ class PrometheusStatLogger(StatLogger):
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         s, it = scheduler_stats, iteration_stats
         with self._lock:
-            self.num_running.set(s.num_running)
-            self.num_waiting.set(s.num_waiting)
-            self.kv_cache_usage.set(s.kv_cache_usage)
-            self.num_cached_blocks.set(s.num_cached_blocks)
+            # Counter.inc(0) is legal; negative values would raise, which is the engine's bug to see.
+            for record in (s, s.prefix_cache, it):
+                for name, export in self._declared[type(record)]:
+                    export(getattr(record, name))
             if s.max_lora:
                 self._record_lora(s)
-            self._record_prefix_cache(s.prefix_cache)
-            self.num_preemptions.inc(s.num_preemptions)
-            self.prompt_tokens.inc(it.num_prompt_tokens)
-            self.generation_tokens.inc(it.num_generation_tokens)
+            self._record_tier_hits(s.prefix_cache)
             if it.spec_decoding is not None:
                 self._record_spec(it.spec_decoding)
             for t in it.ttfts:
@@ -275,16 +245,8 @@ class PrometheusStatLogger(StatLogger):
                 for t in f.mean_times_per_output_token:  # one per sequence with > 1 token
                     self.time_per_output_token.observe(t)
 
-    def _record_prefix_cache(self, pc: PrefixCacheStats) -> None:
-        """The KV cache manager's record, as it counted it (kv_cache.stats: one list of fields)."""
-        self.num_retained_blocks.set(pc.retained_blocks)
-        self.retention_expiries.inc(pc.retention_expiries)
-        # Counter.inc(0) is legal; negative values would raise, which is the engine's bug to see.
-        self.prefix_cache_queries.inc(pc.queries)
-        self.prefix_cache_hits.inc(pc.hits)
-        self.prefix_cache_preempted_queries.inc(pc.preempted_queries)
-        self.prefix_cache_preempted_hits.inc(pc.preempted_hits)
-        self.prefix_cache_public_hits.inc(pc.public_hits)
+    def _record_tier_hits(self, pc: PrefixCacheStats) -> None:
+        """The hits by tier: a label per tier, the pool's share what the tiers did not serve."""
         from_tiers = 0
         for tier, n in pc.tier_hits.items():
             child = self.prefix_cache_tier_hits.get(tier)
@@ -292,7 +254,6 @@ class PrometheusStatLogger(StatLogger):
                 child.inc(n)
                 from_tiers += n
         self.prefix_cache_tier_hits["pool"].inc(max(0, pc.hits - from_tiers))
-        self.prefix_cache_evictions.inc(pc.evictions)
 
     def _record_spec(self, sd: SpecDecodingStats) -> None:
         self.spec_decode_num_drafts.inc(sd.num_drafts)

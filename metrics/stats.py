@@ -9,6 +9,10 @@ prefix cache's counters are kv_cache's own record (`kv_cache.stats.PrefixCacheSt
 logger without being listed again on the way.
 
 Units: token counts are tokens, times are seconds (floats from a monotonic clock), KV usage is a fraction 0..1.
+
+A plain counter or gauge is declared on its field (`kv_cache.stats.metric_field`) and `metrics.prometheus`
+exports every declared field of these records and of `PrefixCacheStats` as it is: a new one is its field,
+the line that fills it, and its row in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -16,24 +20,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kv_cache.stats import PrefixCacheStats
+from kv_cache.stats import PrefixCacheStats, metric_field
 
 
 @dataclass(slots=True)
 class SchedulerStats:
     """The scheduler's state after one step (or a reset), plus what its cache lookups found since the last."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of KV blocks with a reference (0..1)
-    num_cached_blocks: int = 0  # blocks currently holding a prefix hash (reusable, in use or free)
+    num_running: int = metric_field("gauge", "brine_num_requests_running", "Requests in the running batch.")
+    num_waiting: int = metric_field(
+        "gauge", "brine_num_requests_waiting", "Requests waiting to be scheduled."
+    )
+    # Fraction of KV blocks with a reference (0..1).
+    kv_cache_usage: float = metric_field(
+        "gauge", "brine_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", default=0.0
+    )
+    # Blocks currently holding a prefix hash (reusable, in use or free).
+    num_cached_blocks: int = metric_field(
+        "gauge", "brine_num_cached_blocks", "KV blocks holding a prefix hash (reusable by a later request)."
+    )
     # What the prefix cache did since the last record (lookups, hits, evictions, retention), as the KV cache
     # manager counted it (`KVCacheManager.make_prefix_cache_stats`). A request is looked up once, when it is
     # first scheduled; a request resumed after preemption is looked up again, into the preempted counters,
     # so that its own earlier blocks do not inflate the hit rate. `requests` may be 0 from an engine that
     # does not count them: the log line then counts a step with queries as one request.
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    num_preemptions: int = 0  # this step
+    num_preemptions: int = metric_field(  # this step
+        "counter", "brine_num_preemptions", "Requests preempted (KV blocks freed, recomputed)."
+    )
     # The prefix cache was emptied just before this record: hit rates over a recent window start afresh, since
     # hits from before the reset say nothing about the cache now.
     prefix_cache_reset: bool = False
@@ -89,8 +103,15 @@ class SpecDecodingStats:
 class IterationStats:
     """Work done in one step."""
 
-    num_prompt_tokens: int = 0  # prompt tokens computed this step (cache hits are not computed, not counted)
-    num_generation_tokens: int = 0  # tokens sampled this step
+    # Prompt tokens computed this step (cache hits are not computed, not counted).
+    num_prompt_tokens: int = metric_field(
+        "counter",
+        "brine_prompt_tokens",
+        "Prompt tokens computed by the model (prefix-cache hits are not computed).",
+    )
+    num_generation_tokens: int = metric_field(  # tokens sampled this step
+        "counter", "brine_generation_tokens", "Tokens generated."
+    )
     # One per sequence that got its first token this step: a request with n > 1 gives n (as vLLM's n child
     # requests do), so the histogram is the latency each generated choice saw.
     ttfts: list[float] = field(default_factory=list)

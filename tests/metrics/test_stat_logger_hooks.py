@@ -44,3 +44,32 @@ def test_prometheus_overrides_the_hooks() -> None:
     assert sample(prom, "brine_structured_output_requests_total", kind="regex") == 1
     assert sample(prom, "brine_grammar_compile_seconds_count") == 1
     assert PrometheusStatLogger.count_structured_output is not StatLogger.count_structured_output
+
+
+def test_every_field_that_declares_a_metric_is_exported_as_declared() -> None:
+    """A plain counter or gauge is declared on its record's field (`metric_field`), and the exporter needs no
+    line of its own for it: each declared field, set to 3 in one record, reads 3 under its name."""
+    from dataclasses import fields
+
+    from kv_cache.stats import PrefixCacheStats
+
+    declared = 0
+    for record_type in (SchedulerStats, PrefixCacheStats, IterationStats):
+        for f in fields(record_type):
+            if "metric" not in f.metadata:
+                continue
+            kind, name, doc = f.metadata["metric"]
+            prom = PrometheusStatLogger("m")
+            s, it = SchedulerStats(), IterationStats()
+            target = {SchedulerStats: s, PrefixCacheStats: s.prefix_cache, IterationStats: it}[record_type]
+            setattr(target, f.name, 3)
+            prom.record(s, it)
+            prom.record(
+                SchedulerStats(), IterationStats()
+            )  # a counter keeps its 3, a gauge follows the state
+            assert sample(prom, name + "_total" if kind == "counter" else name) == (
+                3 if kind == "counter" else 0
+            )
+            assert doc and name.startswith("brine_")
+            declared += 1
+    assert declared == 15  # the plain metrics: the rest (labels, histograms, derived) are written out
