@@ -4,7 +4,18 @@ Starts `brine serve` (keyless, loopback, the default model), measures a victim's
 idle, then while another process keeps `--streams` streams running under salt "a", and prints both medians
 and their ratio. Figures only: nothing is asserted (these machines are noisy).
 
-    python -m benchmarks.salt_flood_bench [--streams 80] [--samples 5] [--tree DIR]
+    python -m benchmarks.salt_flood_bench [--streams 80] [--samples 5] [--tree DIR] [--flood-client raw]
+
+Two victim figures, taken alternately: `fresh` opens a new httpx client per request, as the first version of
+this bench did (~25-30 ms of client set-up on a 2-core EPYC, in idle and flooded alike, so its ratio is the
+comparable one); `reused` keeps one client and its connection, so idle is about the server's own time.
+
+The flood client runs on the same cores as the server. `--flood-client httpx` is the first version's (a
+thread per stream, every SSE line parsed); `raw` (default) reads each stream's bytes and drops them, on one
+asyncio thread, so that the client's own CPU takes less from the server. The report gives the CPU (in cores)
+used by the flood client, by the server's event-loop thread and by its other threads (the engine step thread
+and torch's workers) while flooded, and the load average: on two cores, whatever the client takes the
+server's step loses.
 
 `--tree DIR`: run the server from another checkout (an older commit's worktree) to compare before and after.
 """
@@ -26,12 +37,19 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 VICTIM_PROMPT = [504, 3458, 282, 4649, 314]  # 5 token ids
+FLOOD_BODY = {
+    "prompt": "Once upon a time",
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "temperature": 0,
+    "stream": True,
+    "cache_salt": "a",
+}
 
-FLOOD = """
+FLOOD_HTTPX = """
 import json, sys, threading, httpx
 url, n = sys.argv[1], int(sys.argv[2])
-body = {"model": sys.argv[3], "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-        "temperature": 0, "stream": True, "cache_salt": "a"}
+body = json.loads(sys.argv[3])
 def run():
     while True:
         with httpx.stream("POST", url, json=body, timeout=600) as r:
@@ -42,6 +60,26 @@ for _ in range(n):
 threading.Event().wait()
 """
 
+# One thread, raw HTTP/1.1 over asyncio streams, the response read in 64 KiB chunks and dropped.
+FLOOD_RAW = """
+import asyncio, sys
+from urllib.parse import urlsplit
+url, n, body = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+u = urlsplit(url)
+head = (f"POST {u.path} HTTP/1.1\\r\\nHost: {u.netloc}\\r\\nContent-Type: application/json\\r\\n"
+        f"Content-Length: {len(body)}\\r\\nConnection: close\\r\\n\\r\\n").encode()
+async def run():
+    while True:
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        writer.write(head + body)
+        while await reader.read(65536):
+            pass
+        writer.close()
+async def main():
+    await asyncio.gather(*(run() for _ in range(n)))
+asyncio.run(main())
+"""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -49,11 +87,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def victim_ttft(base: str, model: str) -> float:
+def victim_ttft(base: str, model: str, client: httpx.Client | None = None) -> float:
+    """Seconds from sending the victim's request to its first text chunk; `client`: reuse it (else a fresh
+    one, as `httpx.stream` makes)."""
     body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
     body["cache_salt"] = "b"
     start = time.perf_counter()
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
+    opener = client.stream if client is not None else httpx.stream
+    with opener("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and '"text"' in line:
@@ -68,11 +109,29 @@ def running_requests(base: str) -> float:
     return -1.0
 
 
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of a process (all its threads) or of one of its threads."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(server: int, flood: int) -> dict[str, float]:
+    total = cpu_seconds(server)
+    loop = cpu_seconds(server, server)  # uvicorn's event loop runs on the main thread
+    return {"flood_client": cpu_seconds(flood), "server_event_loop": loop, "server_other": total - loop}
+
+
+def median_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1e3, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=80)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--tree", type=Path, default=ROOT)
+    parser.add_argument("--flood-client", choices=["raw", "httpx"], default="raw")
     args = parser.parse_args()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -96,26 +155,43 @@ def main() -> None:
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"server did not start; log: {log.name}") from None
                 time.sleep(0.5)
+        client = httpx.Client()
         victim_ttft(base, model)  # warm-up
-        idle = [victim_ttft(base, model) for _ in range(args.samples)]
+        victim_ttft(base, model, client)
+        idle: dict[str, list[float]] = {"fresh": [], "reused": []}
+        for _ in range(args.samples):
+            idle["fresh"].append(victim_ttft(base, model))
+            idle["reused"].append(victim_ttft(base, model, client))
+        script = FLOOD_RAW if args.flood_client == "raw" else FLOOD_HTTPX
+        body = json.dumps({**FLOOD_BODY, "model": model})
         flood = subprocess.Popen(
-            [sys.executable, "-c", FLOOD, f"{base}/v1/completions", str(args.streams), model]
+            [sys.executable, "-c", script, f"{base}/v1/completions", str(args.streams), body]
         )
         time.sleep(15)  # the flood's streams admitted and decoding
-        busy = []
+        before, t0 = cpu_snapshot(server.pid, flood.pid), time.monotonic()
+        busy: dict[str, list[float]] = {"fresh": [], "reused": []}
         for _ in range(args.samples):
-            busy.append(victim_ttft(base, model))
-            time.sleep(1)
-        report = {
+            busy["fresh"].append(victim_ttft(base, model))
+            time.sleep(0.5)
+            busy["reused"].append(victim_ttft(base, model, client))
+            time.sleep(0.5)
+        after, elapsed = cpu_snapshot(server.pid, flood.pid), time.monotonic() - t0
+        report: dict[str, object] = {
             "tree": str(args.tree),
             "streams": args.streams,
+            "flood_client": args.flood_client,
             "running_at_end": running_requests(base),
-            "idle_ttft_s": [round(t, 3) for t in idle],
-            "flooded_ttft_s": [round(t, 3) for t in busy],
-            "idle_median_s": round(statistics.median(idle), 3),
-            "flooded_median_s": round(statistics.median(busy), 3),
-            "ratio": round(statistics.median(busy) / statistics.median(idle), 2),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "cpu_cores_while_flooded": {k: round((after[k] - before[k]) / elapsed, 2) for k in after},
         }
+        for kind in ("fresh", "reused"):
+            report[kind] = {
+                "idle_ttft_ms": [round(t * 1e3, 1) for t in idle[kind]],
+                "flooded_ttft_ms": [round(t * 1e3, 1) for t in busy[kind]],
+                "idle_median_ms": median_ms(idle[kind]),
+                "flooded_median_ms": median_ms(busy[kind]),
+                "ratio": round(statistics.median(busy[kind]) / statistics.median(idle[kind]), 2),
+            }
         print(json.dumps(report, indent=2))
     finally:
         if flood is not None:
