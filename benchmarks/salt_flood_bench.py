@@ -17,7 +17,8 @@ used by the flood client, by the server's event-loop thread and by its other thr
 and torch's workers) while flooded, and the load average: on two cores, whatever the client takes the
 server's step loses.
 
-`--tree DIR`: run the server from another checkout (an older commit's worktree) to compare before and after.
+`--tree DIR`: run the server from another checkout (an older commit's worktree) to compare before and after;
+`--server-arg=--threads=1` (repeatable): a flag for `brine serve`.
 """
 
 from __future__ import annotations
@@ -132,13 +133,29 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--tree", type=Path, default=ROOT)
     parser.add_argument("--flood-client", choices=["raw", "httpx"], default="raw")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="passed to brine serve (repeat: --server-arg=--threads=1)",
+    )
     args = parser.parse_args()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": str(args.tree)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *args.server_arg,
+        ],
         cwd=args.tree,
         env=env,
         stdout=log,
@@ -180,6 +197,7 @@ def main() -> None:
             "tree": str(args.tree),
             "streams": args.streams,
             "flood_client": args.flood_client,
+            "server_args": args.server_arg,
             "running_at_end": running_requests(base),
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "cpu_cores_while_flooded": {k: round((after[k] - before[k]) / elapsed, 2) for k in after},
