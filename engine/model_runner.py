@@ -99,7 +99,7 @@ class ModelRunner:
             self.device, cfg.vocab_size
         )  # EOS ids come with each request (the scheduler's)
         self.grammar_masks = MaskFiller(cfg.vocab_size)
-        # Adapters add their deltas from Python (engine.lora.layer), which the native stack would skip: with
+        # Adapters add their deltas from Python (engine.model.layers.lora), which the native stack would skip: with
         # --enable-lora every step runs the Python layers, so a base row's bits never depend on its neighbours.
         self.lora = LoRAManager.from_config(config, self.model, self.device) if config.enable_lora else None
         self.layer_stack, why_not = self._layer_stack(config.enforce_eager)

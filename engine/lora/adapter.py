@@ -16,7 +16,7 @@ class LoRAAdapter:
     fingerprint: str
     rank: int
     lora_id: int  # 1, 2, ... in load order (vLLM's lora_int_id); never reused
-    deltas: dict[tuple[int, str], nn.Module]  # (layer, fused linear) -> its delta (engine.lora.layer)
+    deltas: dict[tuple[int, str], nn.Module]  # (layer, fused linear) -> its delta (engine.lora.delta)
     num_targets: int = 0  # (layer, target) pairs the adapter changes
 
     @property

@@ -25,9 +25,9 @@ from torch import nn
 
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.delta import TargetDelta
-from engine.lora.layer import LoRAStep, fused_columns, wrap_model
 from engine.lora.peft_format import TARGETS, LoRAError, TargetShape, load_peft
 from engine.model.kernels.invariance import NotInvariantError
+from engine.model.layers.lora import LoRAStep
 from engine.model.models.llama import LlamaForCausalLM
 from kv_cache.namespace import CacheNamespace
 
@@ -36,6 +36,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 MAX_NAME_CHARS = 256
+# Each fused linear of the model and the PEFT targets whose outputs it holds side by side, in column order.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+def fused_columns(out_features: dict[str, int]) -> dict[str, dict[str, tuple[int, int]]]:
+    """{fused linear: {target: (first column, end column)}} from each target's output width."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for fused, targets in FUSED.items():
+        c0, cols = 0, {}
+        for t in targets:
+            cols[t] = (c0, c0 + out_features[t])
+            c0 += out_features[t]
+        out[fused] = cols
+    return out
 
 
 def check_name(name: object) -> str:
@@ -78,15 +97,15 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.batch_invariant = batch_invariant
         self.reserved = frozenset(reserved_names)  # the base model's name(s)
-        self.current = LoRAStep()
-        self.num_wrapped = wrap_model(model, self.current)
+        self.current = LoRAStep()  # the model's wrappers read it; this manager sets it around each step
+        self.num_wrapped = model.enable_lora(self.current)
         self._adapters: dict[str, LoRAAdapter] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> LoRAManager:
-        """Wraps `model` and loads `config.lora_modules`; ValueError (LoRAError) naming the bad module."""
+        """Has `model` wrap its linears and loads `config.lora_modules`; ValueError (LoRAError) naming the bad module."""
         manager = cls(
             model,
             device,

@@ -10,7 +10,9 @@ its Protocol); `engine.model_runner` assembles them (tests/engine/test_model_imp
   `fused_ops` (RMSNorm, add + RMSNorm, SiLU * up, RoPE + KV write as one call each), `invariance` (the
   batch-invariance probe of torch's matmuls, and the ISA line).
 - `layers/`: `norm` (RMSNorm), `activation` (SiLU), `rotary` (RoPE), `linear` (linears on packed oneDNN
-  weights, rows padded as probed), `quant_linear` (a GGUF's quantized blocks as stored).
+  weights, rows padded as probed), `quant_linear` (a GGUF's quantized blocks as stored), `linear_plan` (which
+  of those each linear runs as: decided by the loader, applied by the model), `lora` (a linear plus each
+  row's adapter delta).
 - `attention/`: `base` (per-step metadata and the backend Protocol with its capabilities), one file per
   backend: `native` (the C++ kernel reading the cache in place: CPU's default wherever the kernels build),
   `tiled` (batch-invariant torch ops: CPU's where they do not), `sdpa` (the reference; `--no-batch-invariant`
@@ -19,7 +21,8 @@ its Protocol); `engine.model_runner` assembles them (tests/engine/test_model_imp
   and the native paths it declares: `capabilities`), `context` (`ForwardContext`: one step's state),
   `native_stack` (every decoder layer in one native call, where declared).
 - `loading/`: `files` (what the user names -> a local directory; no torch), `gguf_convert` and `gguf_tensors`
-  (GGUF files), `quantize` (which linears run as stored), `loader` (`load_model`).
+  (GGUF files), `quantize` (which linears run as stored), `loader` (`load_model`: the linears' plan from the
+  files, then the model built with it).
 
 Nothing is imported here: `engine.model.loading.files` must stay importable without torch.
 """

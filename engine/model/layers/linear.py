@@ -21,8 +21,9 @@ the probe compares in full float32 bits, then rounds the output to bfloat16: a b
 then x W^T rounded once (as oneDNN's emulation computes it, in float32), at float32's cost.
 
 A packed weight is an opaque `torch._mkldnn` tensor: the model cannot be moved or cast afterwards, which is
-why packing is the last step of loading. A tied output head gets its own packed copy of the embedding matrix
-(the lookup needs the plain one): 56 MB more for the default model in bfloat16.
+why packing is the last step of loading (the model's `linear_plan.LinearPlan` packs each linear once its
+weights are in). A tied output head gets its own packed copy of the embedding matrix (the lookup needs the
+plain one): 56 MB more for the default model in bfloat16.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import functools
 import torch
 from torch import nn
 
-from engine.model.kernels.invariance import PROBE_ROWS, pad_rows, row_multiple, sensitize
+from engine.model.kernels.invariance import pad_rows, row_multiple, sensitize
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 # The output head is probed on fewer rows (it is 49152 x 576 for the default model): it runs one row per
@@ -110,28 +111,3 @@ def probe_row_multiple(in_features: int, out_features: int, dtype: torch.dtype, 
         f"packed {dtype} linear {in_features}->{out_features}",
         strict=True,
     )
-
-
-def pack_linears(
-    model: nn.Module, tied_head: torch.Tensor | None = None, head: str = "lm_head", probe: bool = True
-) -> PackedLinear | None:
-    """Replace every `nn.Linear` of `model` by a `PackedLinear` in place, each padding its rows as its
-    shape's probe says. The submodule named `head` is probed on fewer rows (see HEAD_PROBE_ROWS).
-
-    `tied_head`: the embedding matrix of a model whose output head reuses it; it gets a packed copy (the
-    embedding lookup still needs the plain one), which is returned. Call only where `packing_supported`.
-    `probe=False` (`--no-batch-invariant`): no probe and no padding.
-    """
-    full = PROBE_ROWS[-1]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                out_f, in_f = child.weight.shape
-                rows = HEAD_PROBE_ROWS if name == head else full
-                multiple = probe_row_multiple(in_f, out_f, child.weight.dtype, rows) if probe else 1
-                setattr(parent, name, PackedLinear(child.weight, child.bias, multiple))
-    if tied_head is None:
-        return None
-    out_f, in_f = tied_head.shape
-    multiple = probe_row_multiple(in_f, out_f, tied_head.dtype, HEAD_PROBE_ROWS) if probe else 1
-    return PackedLinear(tied_head, None, multiple)

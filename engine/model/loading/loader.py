@@ -1,6 +1,8 @@
 """Build the registered model class (`models.registry`) from a local Hugging Face directory (config.json +
-*.safetensors), then give its linears the fastest weight format the CPU runs: a GGUF's blocks as stored
-(`quantize`, where the architecture declares it), else weights packed for oneDNN (`layers.linear`).
+*.safetensors), its linears in the fastest weight format the CPU runs: a GGUF's blocks as stored (`quantize`,
+where the architecture declares it), else weights packed for oneDNN (`layers.linear`). Which format each
+linear gets is decided from the files before the model is built (`layers.linear_plan.LinearPlan`), and the
+model applies it itself once its weights are loaded (`LlamaForCausalLM.finish_loading`).
 
 Parameters are created on the meta device and filled straight from the safetensors files in the target
 dtype, so loading never runs random initialisation and never holds two copies of the weights. The HF names
@@ -19,10 +21,12 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_config
+from engine.model.kernels.build import Kernels
 from engine.model.kernels.build import load as load_kernels
 from engine.model.kernels.invariance import NotInvariantError
-from engine.model.layers.linear import pack_linears, packing_supported
-from engine.model.loading.quantize import quantizable_gguf, quantize_from_gguf
+from engine.model.layers.linear import packing_supported
+from engine.model.layers.linear_plan import LinearPlan, QuantParts
+from engine.model.loading.quantize import quantizable_gguf, quantized_parts
 from engine.model.models import registry
 from engine.model.models.llama import LlamaForCausalLM, TiedHead
 
@@ -94,8 +98,18 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     spec = registry.lookup(cfg.architecture)
+    plan = linear_plan(
+        model_dir,
+        cfg,
+        spec.capabilities.quantized_linears,
+        device,
+        dtype,
+        pack=pack,
+        batch_invariant=batch_invariant,
+        quantized=quantized,
+    )
     with torch.device("meta"):
-        model = spec.model_class(cfg, spec.capabilities)
+        model = spec.model_class(cfg, spec.capabilities, plan)
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -125,21 +139,8 @@ def load_model(
         fused = _fused_module(ours)
         if filled.get(ours, 0) != (len(shard_sizes[fused]) if fused else 1):
             raise ValueError(f"checkpoint in {model_dir} is missing weights for {ours!r}")
-    model.rotary.build(device)
-    model.eval()
-    if quantized and not spec.capabilities.quantized_linears:
-        logger.info("%s declares no quantized linears: its GGUF weights run dequantized", cfg.architecture)
-    elif quantized and (gguf := quantizable_gguf(model_dir, device, dtype)) is not None:
-        kernels, _ = load_kernels()
-        assert kernels is not None
-        quantize_from_gguf(model, gguf, cfg, kernels)
-    if pack and packing_supported(device, dtype):  # whatever is still an nn.Linear
-        # A tied head gets its own packed copy of the embedding matrix (the lookup keeps the plain one).
-        tied = model.embed_tokens.weight if isinstance(model.lm_head, TiedHead) else None
-        head = pack_linears(model, tied_head=tied, probe=batch_invariant)
-        if head is not None:
-            model.lm_head = head
-    elif pack and batch_invariant and device.type == "cpu" and _dense_linears(model):
+    model.finish_loading(device)
+    if pack and batch_invariant and not plan.pack and device.type == "cpu" and _dense_linears(model):
         # Plain torch linears round a row by what shares its product: never silently (DESIGN.md).
         raise NotInvariantError(
             f"dtype {str(dtype).removeprefix('torch.')}: this CPU and torch build run its dense linears only "
@@ -147,6 +148,30 @@ def load_model(
             "same answer alone or batched; use --dtype float32 (or auto), or --no-batch-invariant"
         )
     return model
+
+
+def linear_plan(
+    model_dir: Path,
+    cfg: ModelConfig,
+    declares_quantized: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    pack: bool,
+    batch_invariant: bool,
+    quantized: bool,
+) -> LinearPlan:
+    """How each linear will run, from the files and this machine, before the model is built (load_model's
+    arguments say what is asked for). A tied head gets its own packed copy of the embedding matrix."""
+    parts: dict[str, QuantParts] = {}
+    kernels: Kernels | None = None
+    if quantized and not declares_quantized:
+        logger.info("%s declares no quantized linears: its GGUF weights run dequantized", cfg.architecture)
+    elif quantized and (gguf := quantizable_gguf(model_dir, device, dtype)) is not None:
+        kernels, _ = load_kernels()
+        assert kernels is not None
+        parts = quantized_parts(gguf, cfg)
+    return LinearPlan(parts, kernels, pack=pack and packing_supported(device, dtype), probe=batch_invariant)
 
 
 def _dense_linears(model: LlamaForCausalLM) -> bool:

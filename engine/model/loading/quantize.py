@@ -1,9 +1,9 @@
 """Which linears of a GGUF-converted model run the file's quantized blocks as stored (`layers.quant_linear`).
 
 The loader calls `quantizable_gguf` (is there a GGUF behind this directory, and can its blocks run here?) and
-then `quantize_from_gguf`, which swaps each fused linear whose GGUF parts all have a kernel for a QuantLinear
-built from the file's bytes (the q/k rows with llama.cpp's rotary permutation undone). Any other linear keeps
-its dense weights.
+then `quantized_parts`, before it builds the model: the file's bytes of each fused linear whose GGUF parts all
+have a kernel (the q/k rows with llama.cpp's rotary permutation undone), by the linear's name, for the model's
+`layers.linear_plan.LinearPlan`. Any other linear keeps its dense weights.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.kernels.build import Kernels
 from engine.model.kernels.build import load as load_kernels
-from engine.model.layers.quant_linear import QuantLinear, row_bytes, runs_as_stored
+from engine.model.layers.linear_plan import HEAD, QuantParts
+from engine.model.layers.quant_linear import row_bytes, runs_as_stored
 from engine.model.loading.gguf_convert import gguf_source, unpermute_rotary
 from engine.model.loading.gguf_tensors import read_tensors
-from engine.model.models.llama import LlamaForCausalLM, TiedHead
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +33,18 @@ _LAYER_PARTS = {
 }
 
 
-def quantize_from_gguf(model: LlamaForCausalLM, gguf_path: Path, cfg: ModelConfig, kernels: Kernels) -> None:
-    """Replace each linear of `model` whose GGUF parts all have a kernel by a QuantLinear, the output head
-    included (a tied head too: the embedding lookup keeps its dense table). Layers of other types keep their
-    dense weights (logged)."""
+def quantized_parts(gguf_path: Path, cfg: ModelConfig) -> dict[str, QuantParts]:
+    """{linear name: its GGUF parts} for each linear of the model `cfg` describes whose GGUF parts all have a
+    kernel, the output head included (a tied head too: the embedding lookup keeps its dense table). Linears
+    of other types are left out: they keep dense weights (logged)."""
     tensors = read_tensors(gguf_path)
     kept: list[str] = []
 
-    def build(names: list[str], module: nn.Linear, heads: dict[str, int]) -> QuantLinear | None:
+    def build(
+        names: list[str], in_features: int, out_features: int, heads: dict[str, int]
+    ) -> QuantParts | None:
         parts = [tensors.get(f"{name}.weight") for name in names]
-        if any(t is None or not runs_as_stored(int(t.tensor_type), module.in_features) for t in parts):
+        if any(t is None or not runs_as_stored(int(t.tensor_type), in_features) for t in parts):
             kept.append(names[0])
             return None
         # Neighbouring parts of one type are one part (one kernel call); a type change starts another.
@@ -52,7 +52,7 @@ def quantize_from_gguf(model: LlamaForCausalLM, gguf_path: Path, cfg: ModelConfi
         for name, t in zip(names, parts, strict=True):
             assert t is not None
             kind = int(t.tensor_type)
-            raw = np.asarray(t.data).reshape(-1, row_bytes(kind, module.in_features))
+            raw = np.asarray(t.data).reshape(-1, row_bytes(kind, in_features))
             suffix = name.rsplit(".", 1)[-1]
             raw = unpermute_rotary(raw, heads[suffix]) if suffix in heads else raw
             if runs and runs[-1][0] == kind:
@@ -60,35 +60,37 @@ def quantize_from_gguf(model: LlamaForCausalLM, gguf_path: Path, cfg: ModelConfi
             else:
                 runs.append((kind, [raw]))
         joined = [(kind, np.concatenate(raws)) for kind, raws in runs]
-        if sum(raw.shape[0] for _, raw in joined) != module.out_features:
+        if sum(raw.shape[0] for _, raw in joined) != out_features:
             kept.append(names[0])
             return None
-        return QuantLinear.of_parts(kernels, joined, module.in_features, module.bias)
+        return joined
 
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    for i, layer in enumerate(model.layers):
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {  # our linear -> (in_features, out_features)
+        "self_attn.qkv_proj": (cfg.hidden_size, q + 2 * kv),
+        "self_attn.o_proj": (q, cfg.hidden_size),
+        "mlp.gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size),
+        "mlp.down_proj": (cfg.intermediate_size, cfg.hidden_size),
+    }
+    plan: dict[str, QuantParts] = {}
+    for i in range(cfg.num_layers):
         for ours, parts in _LAYER_PARTS.items():
-            owner_name, attr = ours.split(".")
-            owner = getattr(layer, owner_name)
-            module = getattr(owner, attr)
-            if not isinstance(module, nn.Linear):
-                continue
-            quant = build([f"blk.{i}.{p}" for p in parts], module, heads)
+            quant = build([f"blk.{i}.{p}" for p in parts], *shapes[ours], heads)
             if quant is not None:
-                setattr(owner, attr, quant)
-    head: QuantLinear | None = None
-    if isinstance(model.lm_head, nn.Linear):
-        head = build(["output"], model.lm_head, {})
-    elif isinstance(model.lm_head, TiedHead) and "output.weight" not in tensors:  # the embedding matrix
-        embed = model.embed_tokens
-        probe = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta")
-        head = build(["token_embd"], probe, {})
+                plan[f"layers.{i}.{ours}"] = quant
+    head: QuantParts | None = None
+    if not cfg.tie_word_embeddings:
+        head = build(["output"], cfg.hidden_size, cfg.vocab_size, {})
+    elif "output.weight" not in tensors:  # the embedding matrix
+        head = build(["token_embd"], cfg.hidden_size, cfg.vocab_size, {})
     if head is not None:
-        model.lm_head = head
+        plan[HEAD] = head
     if kept:
         logger.info(
             "%d linears keep dense weights (types the kernel does not run), e.g. %s", len(kept), kept[0]
         )
+    return plan
 
 
 def quantizable_gguf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Path | None:

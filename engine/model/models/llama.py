@@ -9,10 +9,16 @@ The native fast paths a layer may take (fused elementwise kernels, the fused RoP
 its architecture declares (`capabilities`, from `registry`); the runner passes the step's state in one
 `ForwardContext`, and may hand it a native layer stack that replaces the layer loop. A variant changes one
 piece by subclassing: `norm_class` for its norm, `embed` for its embedding.
+
+The model builds its own linears: dense at construction (the loader fills their weights by name), then, in
+`finish_loading`, as the `LinearPlan` it was built with says (quantized, packed or dense), and wrapped for
+LoRA by `enable_lora`. Each module replaces only its own children: nothing outside sets attributes on it.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -23,12 +29,16 @@ from engine.kv_store import write_slots
 from engine.model.config import ModelConfig
 from engine.model.kernels import fused_ops
 from engine.model.layers.activation import silu_and_mul
+from engine.model.layers.linear_plan import HEAD, LinearPlan
+from engine.model.layers.lora import LoRALinear, LoRAStep
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rotary, apply_rope
 from engine.model.models.capabilities import Capabilities
 from engine.model.models.context import ForwardContext
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D / 2] in the model dtype
+# (a linear's name in its module, the linear) -> the layer to run in its place
+Rebuild = Callable[[str, nn.Module], nn.Module]
 
 
 class Attention(nn.Module):
@@ -37,14 +47,20 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj: nn.Module = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj: nn.Module = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         fused = caps.fused_elementwise
         self.q_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps, fused) if cfg.qk_norm else None
         self.k_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps, fused) if cfg.qk_norm else None
         self.rope_and_write = caps.rope_and_write
         self.sliding_window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim**-0.5
+
+    def rebuild_linears(self, rebuild: Rebuild) -> None:
+        self.qkv_proj = rebuild("qkv_proj", self.qkv_proj)
+        self.o_proj = rebuild("o_proj", self.o_proj)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:  # [T, hidden]
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -80,9 +96,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, caps: Capabilities) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
+        )
+        self.down_proj: nn.Module = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.fused = caps.fused_elementwise
+
+    def rebuild_linears(self, rebuild: Rebuild) -> None:
+        self.gate_up_proj = rebuild("gate_up_proj", self.gate_up_proj)
+        self.down_proj = rebuild("down_proj", self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
@@ -97,6 +119,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm_class(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.mlp = MLP(cfg, caps)
 
+    def rebuild_linears(self, rebuild: Rebuild) -> None:
+        """Each of its linears replaced by `rebuild(name, linear)`, named as in the module tree
+        ('self_attn.qkv_proj', ...)."""
+        self.self_attn.rebuild_linears(lambda name, linear: rebuild(f"self_attn.{name}", linear))
+        self.mlp.rebuild_linears(lambda name, linear: rebuild(f"mlp.{name}", linear))
+
     def forward(self, h: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # h: [T, hidden], the residual stream
         x = self.input_layernorm.norm(h)
@@ -108,8 +136,8 @@ class DecoderLayer(nn.Module):
 class TiedHead(nn.Module):
     """The output head of a model whose head is its embedding matrix: logits = h E^T.
 
-    A module like any other head, so that the loader can replace it with a packed or quantized copy as it
-    replaces every other linear. The embedding is held in a tuple: not registered a second time."""
+    A module like any other head, so that the model's `LinearPlan` can make it a packed or quantized copy as
+    it does every other linear. The embedding is held in a tuple: not registered a second time."""
 
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
@@ -123,15 +151,21 @@ class TiedHead(nn.Module):
         return F.linear(h, self.weight)
 
 
+def _finish_named(plan: LinearPlan, prefix: str, name: str, linear: nn.Module) -> nn.Module:
+    return plan.finish(f"{prefix}.{name}", linear)
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids, ctx) -> float32 logits of the rows `ctx.logits_indices` names."""
 
     norm_class: type[RMSNorm] = RMSNorm  # a variant's norm (Gemma's (1 + w), ...) replaces it
 
-    def __init__(self, cfg: ModelConfig, caps: Capabilities) -> None:
+    def __init__(self, cfg: ModelConfig, caps: Capabilities, linears: LinearPlan | None = None) -> None:
+        """`linears`: how the linears run once loaded (`finish_loading`); None keeps them dense."""
         super().__init__()
         self.cfg = cfg
         self.capabilities = caps
+        self._linear_plan: LinearPlan | None = linears if linears is not None else LinearPlan()
         # Built on the meta device (the loader does, then loads every weight), the table skips its random
         # init: nn.Embedding's normal_ on a meta tensor runs through torch's Python refs, which import
         # torch._dynamo, ~1.2 s of an engine start for nothing.
@@ -146,6 +180,34 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.rotary = Rotary(cfg)
+
+    def finish_loading(self, device: torch.device) -> None:
+        """Called once every weight is loaded: builds the rotary tables, makes each linear what the plan says
+        (the plan is then dropped: a quantized layer keeps its own records, not the file's bytes), and
+        switches to inference mode."""
+        plan = self._linear_plan
+        if plan is None:
+            raise RuntimeError("finish_loading runs once, after the weights are loaded")
+        self._linear_plan = None
+        self.rotary.build(device)
+        for i, layer in enumerate(self.decoder_layers):
+            prefix = f"layers.{i}"
+            layer.rebuild_linears(functools.partial(_finish_named, plan, prefix))
+        self.lm_head = plan.finish(HEAD, self.lm_head)
+        self.eval()
+
+    def enable_lora(self, step: LoRAStep) -> int:
+        """Wraps every decoder layer's q/k/v, o, gate/up and down linears for LoRA (each reads the step's row
+        groups from `step`); returns how many. The output head and the embedding take no adapter."""
+        wrapped: list[LoRALinear] = []
+        for i, layer in enumerate(self.decoder_layers):
+
+            def wrap(name: str, linear: nn.Module, i: int = i) -> nn.Module:
+                wrapped.append(LoRALinear(linear, i, name.rsplit(".", 1)[-1], step))
+                return wrapped[-1]
+
+            layer.rebuild_linears(wrap)
+        return len(wrapped)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

@@ -4,8 +4,11 @@ A step's rows belong to requests with different adapters, or none. The runner gi
 (`LoRAStep.groups`: each adapter with the rows that use it) before the forward; each wrapper then runs its
 base linear over all rows, as without adapters, and for each group gathers the group's rows, computes their
 low-rank products (punica's gathered BGMV, as a loop over the step's adapters) and adds them to those rows'
-columns of the output. q/k/v and gate/up are fused in the model, so a wrapper maps each PEFT target to its
-column slice of the fused output.
+columns of the output. q/k/v and gate/up are fused in the model, so an adapter's delta for a fused linear
+covers its PEFT targets' column slices (`engine.lora.manager` builds them).
+
+The model wraps its own linears (`LlamaForCausalLM.enable_lora`); the adapters and their deltas are
+`engine.lora`'s, read here through the `Adapter` Protocol so that layers never import it.
 
 Why a row's bits do not depend on its neighbours: base rows get no delta at all (the base output is the same
 tensor as without adapters); an adapter row's delta is computed by row-count invariant products
@@ -16,40 +19,24 @@ model's (quantized, packed, dense): the delta is added to its output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from engine.lora.adapter import LoRAAdapter
-from engine.model.models.llama import DecoderLayer, LlamaForCausalLM
+
+class Adapter(Protocol):
+    """What a wrapper reads of a loaded adapter (`engine.lora.adapter.LoRAAdapter`)."""
+
+    # (layer, fused linear: 'qkv_proj', ...) -> its delta: forward(x [n, in]) -> [n, out] float32
+    deltas: dict[tuple[int, str], nn.Module]
 
 
 @dataclass(slots=True)
 class LoRAStep:
-    """The current step's row groups, set by the runner around the forward (empty: no adapter rows)."""
+    """The current step's row groups, set by the LoRA manager around the forward (empty: no adapter rows)."""
 
-    groups: list[tuple[LoRAAdapter, torch.Tensor]] = field(default_factory=list)  # (adapter, rows [n])
-
-
-# Each fused linear of the model and the PEFT targets whose outputs it holds side by side, in column order.
-FUSED: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
-
-
-def fused_columns(out_features: dict[str, int]) -> dict[str, dict[str, tuple[int, int]]]:
-    """{fused linear: {target: (first column, end column)}} from each target's output width."""
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    for fused, targets in FUSED.items():
-        c0, cols = 0, {}
-        for t in targets:
-            cols[t] = (c0, c0 + out_features[t])
-            c0 += out_features[t]
-        out[fused] = cols
-    return out
+    groups: list[tuple[Adapter, torch.Tensor]] = field(default_factory=list)  # (adapter, rows [n])
 
 
 class LoRALinear(nn.Module):
@@ -81,19 +68,3 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.key[0]}, {self.key[1]}"
-
-
-def wrap_model(model: LlamaForCausalLM, step: LoRAStep) -> int:
-    """Wraps every decoder layer's q/k/v, o, gate/up and down linears in place; returns how many."""
-    n = 0
-    for i, layer in enumerate(model.layers):
-        assert isinstance(layer, DecoderLayer)
-        for parent, name in (
-            (layer.self_attn, "qkv_proj"),
-            (layer.self_attn, "o_proj"),
-            (layer.mlp, "gate_up_proj"),
-            (layer.mlp, "down_proj"),
-        ):  # setattr: the attributes are typed as the base linears
-            setattr(parent, name, LoRALinear(getattr(parent, name), i, name, step))
-            n += 1
-    return n
