@@ -20,8 +20,8 @@ from lora_helpers import default_model_shapes, write_adapter
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model.layers.lora import LoRALinear
 from engine.lora.peft_format import LoRAError
+from engine.model.layers.lora import LoRALinear
 from engine.model.layers.quant_linear import QuantLinear
 from engine.request import Origin
 from engine.sampling_params import SamplingParams
