@@ -24,6 +24,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine.owner_index import OwnerIndex
 from kv_cache.namespace import CacheNamespace, Owner
 
 MAX_CHARS = 8_000_000  # ~8 MB of text and ~2 MB of ids: a few hundred long documents
@@ -35,7 +36,7 @@ class PieceCache:
     def __init__(self, max_chars: int = MAX_CHARS) -> None:
         self.max_chars = max_chars
         self._entries: OrderedDict[_Key, array] = OrderedDict()
-        self._owned: dict[Owner, dict[_Key, None]] = {}  # owner -> its entries' keys (insertion-ordered set)
+        self._owned: OwnerIndex[_Key] = OwnerIndex()
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = 0  # pieces found, and not found, since start: for tests and benchmarks
@@ -71,15 +72,13 @@ class PieceCache:
                 key = (namespace, piece)
                 if key not in self._entries:
                     self._chars += len(piece)
-                    owner = namespace.owner if namespace is not None else None
-                    if owner is not None:
-                        self._owned.setdefault(owner, {})[key] = None
+                    self._owned.add(key)
                 self._entries[key] = piece_ids
                 self._entries.move_to_end(key)
             while self._chars > self.max_chars:
                 old, _ = self._entries.popitem(last=False)
                 self._chars -= len(old[1])
-                self._unindex(old)
+                self._owned.discard(old)
 
     def forget(self, owner: Owner | None = None) -> None:
         """Forgets every piece (None), or those of the namespaces `owner` owns (a tenant-scoped reset)."""
@@ -89,23 +88,12 @@ class PieceCache:
                 self._owned.clear()
                 self._chars = 0
                 return
-            for key in self._owned.pop(owner, {}):
+            for key in self._owned.pop(owner):
                 del self._entries[key]
                 self._chars -= len(key[1])
-
-    def _unindex(self, key: _Key) -> None:
-        owner = key[0].owner if key[0] is not None else None
-        if owner is None:
-            return
-        mine = self._owned[owner]
-        del mine[key]
-        if not mine:  # an owner with no entries is not kept: the index never outgrows the cache
-            del self._owned[owner]
 
     def check_invariants(self) -> None:
         """Tests call this: the owner index holds exactly the owned entries, and the count of characters."""
         with self._lock:
-            owned = {k for k in self._entries if k[0] is not None and k[0].owner is not None}
-            assert owned == {k for keys in self._owned.values() for k in keys}, "owner index out of step"
-            assert all(self._owned.values()), "an owner with no entries is still indexed"
+            self._owned.check(self._entries)
             assert self._chars == sum(len(k[1]) for k in self._entries), "character count out of step"

@@ -50,6 +50,7 @@ from engine.grammar_state import (
     check_sequences,
     grammar_states,
 )
+from engine.owner_index import OwnerIndex
 from engine.structured_spec import (
     GrammarTooSlowError,
     StructuredOutputError,
@@ -110,7 +111,7 @@ class GrammarCompiler:
         self._public: dict[StructuredOutputSpec, CompiledGrammar] = {}
         self.public_bytes = 0  # theirs, apart from cache_bytes: never evicted
         # owner -> its grammars' keys (an insertion-ordered set): a tenant's reset costs its own grammars.
-        self._owned: dict[Owner, dict[_Key, None]] = {}
+        self._owned: OwnerIndex[_Key] = OwnerIndex()
         self.cache_bytes = cache_bytes
         self.mask_budget_s = mask_budget_s
         self.sandbox = sandbox
@@ -178,13 +179,11 @@ class GrammarCompiler:
                 self._bytes -= old.memory_bytes
             self._cache[key] = grammar
             self._bytes += grammar.memory_bytes
-            owner = namespace.owner if namespace is not None else None
-            if owner is not None:
-                self._owned.setdefault(owner, {})[key] = None
+            self._owned.add(key)
             while self._bytes > self.cache_bytes and len(self._cache) > 1:
                 evicted_key, evicted = self._cache.popitem(last=False)
                 self._bytes -= evicted.memory_bytes
-                self._unindex(evicted_key)
+                self._owned.discard(evicted_key)
         return grammar
 
     def add_public(self, named: Iterable[tuple[str, StructuredOutputSpec]]) -> None:
@@ -219,24 +218,13 @@ class GrammarCompiler:
                 self._owned.clear()
                 self._bytes = 0
                 return
-            for key in self._owned.pop(owner, {}):
+            for key in self._owned.pop(owner):
                 self._bytes -= self._cache.pop(key).memory_bytes
-
-    def _unindex(self, key: _Key) -> None:
-        owner = key[0].owner if key[0] is not None else None
-        if owner is None:
-            return
-        mine = self._owned[owner]
-        del mine[key]
-        if not mine:  # an owner with no grammars is not kept: the index never outgrows the cache
-            del self._owned[owner]
 
     def check_invariants(self) -> None:
         """Tests call this: the owner index holds exactly the owned grammars, and the byte count is theirs."""
         with self._lock:
-            owned = {k for k in self._cache if k[0] is not None and k[0].owner is not None}
-            assert owned == {k for keys in self._owned.values() for k in keys}, "owner index out of step"
-            assert all(self._owned.values()), "an owner with no grammars is still indexed"
+            self._owned.check(self._cache)
             assert self._bytes == sum(g.memory_bytes for g in self._cache.values()), "byte count out of step"
 
     def close(self) -> None:
