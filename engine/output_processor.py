@@ -103,9 +103,14 @@ class OutputProcessor:
                 continue  # its group already failed earlier in this loop
             group, index = self._child_group[req.request_id]
             entry = touched.setdefault(group.request_id, (group, {}))
+            if req.status is RequestStatus.FINISHED_ERROR:
+                # The scheduler failed this sequence for a reason it already put into words (a grammar over
+                # the mask budget, no finite logit): one line, since a traceback here would show only this
+                # loop, never where the failure happened.
+                logger.warning("request %s failed: %s", group.request_id, req.error)
+                self._fail_group(group, entry[1], req.error or "the request failed")
+                continue
             try:
-                if req.status is RequestStatus.FINISHED_ERROR:  # the scheduler failed this sequence
-                    raise RuntimeError(req.error)
                 # Stamped before _completion, which may finish the group and take its stats at once.
                 if upd.new_token_ids:
                     if req.first_token_time is None:
@@ -118,13 +123,7 @@ class OutputProcessor:
                 iteration.num_generation_tokens += len(upd.new_token_ids)
             except Exception as exc:  # e.g. a token id the tokenizer cannot decode: fail this request only
                 logger.exception("request %s failed while processing its output", group.request_id)
-                error = str(exc) or repr(exc)
-                for completion in self._finish_children(group, RequestStatus.FINISHED_ERROR, error):
-                    earlier = entry[1].get(completion.index)
-                    if earlier is not None:  # keep the delta it already got in this step
-                        earlier.finish_reason = completion.finish_reason
-                    else:
-                        entry[1][completion.index] = completion
+                self._fail_group(group, entry[1], str(exc) or repr(exc))
                 continue
             if completion is not None:
                 entry[1][index] = completion
@@ -134,6 +133,15 @@ class OutputProcessor:
         iteration.finished.extend(self._finished_stats)
         self._finished_stats.clear()
         return Processed(outputs, self._take_stops())
+
+    def _fail_group(self, group: _Group, completions: dict[int, CompletionOutput], error: str) -> None:
+        """Ends every sequence of `group` with finish reason "error", into this step's `completions`."""
+        for completion in self._finish_children(group, RequestStatus.FINISHED_ERROR, error):
+            earlier = completions.get(completion.index)
+            if earlier is not None:  # keep the delta it already got in this step
+                earlier.finish_reason = completion.finish_reason
+            else:
+                completions[completion.index] = completion
 
     def _take_stops(self) -> list[Stop]:
         stops, self._stops = self._stops, []
