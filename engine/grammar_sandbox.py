@@ -25,9 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +33,7 @@ from typing import Any
 
 from engine.grammar_compile import check_mask_cost, compile_failure, compile_spec
 from engine.structured_spec import StructuredOutputError, StructuredOutputSpec
+from engine.worker_process import WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -56,21 +54,13 @@ class Trial:
 
 
 class _Worker:
-    """One worker process, spoken to over a socket pair with `multiprocessing.connection` framing. Started
-    with `python -c` rather than multiprocessing's spawn, which would import the parent's main module again
-    (a benchmark script, a test runner) in the child."""
+    """One worker process (engine.worker_process: started with `python -c`, spoken to over a socket pair, dead
+    with the server)."""
 
     def __init__(self, info_json: str, memory_limit: int, budget_s: float) -> None:
-        parent, child = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _ENTRY, str(child.fileno())],
-            pass_fds=(child.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        child.close()
-        self.conn = Connection(parent.detach())
+        # Killed by the kernel when the server ends, even mid-compile (engine.worker_process).
+        self.process = WorkerProcess("engine.grammar_sandbox", "worker_main")
+        self.proc, self.conn = self.process.proc, self.process.conn
         self.conn.send((info_json, memory_limit, budget_s))
         self.ready = False
 
@@ -85,12 +75,7 @@ class _Worker:
             self.ready = True
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=5)
-        self.conn.close()
-
-
-_ENTRY = "import sys; from engine.grammar_sandbox import worker_main; worker_main(int(sys.argv[1]))"
+        self.process.kill()
 
 
 class CompileSandbox:
@@ -220,8 +205,8 @@ def worker_main(fd: int) -> None:
     while True:
         try:
             kind, text = conn.recv()
-        except EOFError:  # the server went away
-            return
+        except EOFError:  # the server closed the socket (the kernel kills a worker whose server died)
+            os._exit(0)  # at once: a normal exit would tear torch down first
         spec = StructuredOutputSpec(kind, text)
         start = time.perf_counter()
         try:

@@ -69,7 +69,13 @@ def test_the_layers_point_down() -> None:
     assert graph["engine.grammar_compile"] == {"engine.structured_spec"}
     assert graph["engine.grammar_state"] == {"engine.structured_spec", "engine.grammar_compile"}
     assert graph["engine.grammar_public"] == {"engine.structured_spec"}
-    assert graph["engine.grammar_sandbox"] == {"engine.structured_spec", "engine.grammar_compile"}
+    # The sandbox's workers are started by the one module that makes workers die with the server.
+    assert graph["engine.grammar_sandbox"] == {
+        "engine.structured_spec",
+        "engine.grammar_compile",
+        "engine.worker_process",
+    }
+    assert graph["engine.worker_process"] == set()
     assert graph["engine.grammar_masks"] == {"engine.grammar_state", "engine.outputs"}
     assert graph["engine.sampling_params"] <= {"engine.structured_spec"}
     for below in (
