@@ -1,12 +1,17 @@
 """`POST /tokenize` and `POST /detokenize`: vLLM's token routes, a prompt or chat turned into token ids and
-back, checked as generation checks its text (`server.text_check`) and never on the event loop."""
+back, checked as generation checks its text (`server.text_check`) and never on the event loop (`/detokenize`'s
+whole work, body to answer, is server.detokenize_pool's)."""
 
 from __future__ import annotations
 
-import anyio
-from fastapi import FastAPI
+from typing import Any
 
-from server.engine_client import EngineClient, TokenizerLike
+import anyio
+from fastapi import FastAPI, Request, Response
+
+from engine.tokenizer import Tokenizer
+from server.detokenize_pool import DetokenizePool, Job, answer
+from server.engine_client import EngineClient
 from server.errors import bad_request
 from server.openapi import BODY_ERRORS
 from server.params import check_chat_template, check_model
@@ -15,14 +20,6 @@ from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.text_check import check_text
 
 DETOKENIZE_THREADS = 2
-
-
-def _decode(tokenizer: TokenizerLike, tokens: list[int]) -> str:
-    """`/detokenize`'s work, in a worker thread: the vocabulary check is a pass over every id too."""
-    vocab = tokenizer.vocab_size
-    if any(t < 0 or (vocab is not None and t >= vocab) for t in tokens):
-        raise bad_request("tokens contains a token id outside the vocabulary.", "tokens")
-    return tokenizer.decode(tokens)
 
 
 def install_token_routes(app: FastAPI, engine: EngineClient) -> None:
@@ -54,21 +51,39 @@ def install_token_routes(app: FastAPI, engine: EngineClient) -> None:
             )
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    # Decoding a long list costs milliseconds per thousand ids: never on the event loop (every stream's
-    # tokens go out from it), and at most two at once, so a flood of big bodies queues here instead of
-    # taking every worker thread that tokenizing needs.
+    # Reading, checking and decoding a long list costs milliseconds per thousand ids: never on the event
+    # loop (every stream's tokens go out from it), nor under the server's GIL where the tokenizer can be sent
+    # to a worker process (server.detokenize_pool); at most two at once, so a flood of big bodies queues here
+    # instead of taking every worker thread that tokenizing needs.
     detokenizing = anyio.CapacityLimiter(DETOKENIZE_THREADS)
+    tokenizer = engine.tokenizer
+    pool = None
+    if isinstance(tokenizer, Tokenizer):
+        pool = DetokenizePool(tokenizer.backend.to_str(), tokenizer.vocab_size, workers=DETOKENIZE_THREADS)
+        app.router.on_shutdown.append(pool.close)
+    app.state.detokenize_pool = pool
 
-    @app.post("/detokenize", operation_id="detokenize", responses=BODY_ERRORS)
-    async def detokenize(req: DetokenizeRequest) -> dict:
-        check_text(req)
-        check_model(req.model, engine.model_name)
-        limit = app.state.limits.max_detokenize_tokens
-        if len(req.tokens) > limit:
-            raise bad_request(
-                f"Invalid 'tokens': at most {limit} token ids per request, got {len(req.tokens)}.",
-                "tokens",
-                "array_above_max_length",
+    # The body is read here, not by FastAPI (which would parse it on the event loop): published as it was.
+    body_doc = {"content": {"application/json": {"schema": DetokenizeRequest.model_json_schema()}}}
+
+    @app.post(
+        "/detokenize",
+        operation_id="detokenize",
+        responses=BODY_ERRORS,
+        response_model=dict[str, Any],
+        openapi_extra={"requestBody": {**body_doc, "required": True}},
+    )
+    async def detokenize(request: Request) -> Response:
+        job = Job(
+            await request.body(),
+            request.headers.get("content-type"),
+            engine.model_name,
+            app.state.limits.max_detokenize_tokens,
+        )
+        if pool is not None:
+            result = await anyio.to_thread.run_sync(pool.run, job, limiter=detokenizing)
+        else:  # a tokenizer that cannot go to a worker (tests' fakes): the same answer, in a thread
+            result = await anyio.to_thread.run_sync(
+                answer, job, engine.tokenizer.decode, engine.tokenizer.vocab_size, limiter=detokenizing
             )
-        text = await anyio.to_thread.run_sync(_decode, engine.tokenizer, req.tokens, limiter=detokenizing)
-        return {"prompt": text}
+        return Response(result.body, status_code=result.status, media_type="application/json")
