@@ -2,10 +2,11 @@
 heavy `/detokenize` bodies and over-long prompts (refused with the context-length 400 once tokenizing passes
 the limit).
 
-Starts `brine serve` (keyless, loopback, the default model). For each attack the victim's 5-token TTFT (one
-reused client, so the figure is the server's) is measured idle, then while another process sends that attack
-back to back, then idle again; the report gives the medians and the ratio to the idle median around it.
-Figures only: nothing is asserted.
+Starts `brine serve` (keyless, loopback, the default model). For each attack the victim's TTFT and median gap
+between tokens (a 5-token prompt, 16 greedy tokens, one reused client, so the figures are the server's) are
+measured idle, then while another process sends that attack back to back, then idle again; the report gives
+the medians and the ratios to the idle medians around them. First, idle, `/detokenize`'s own latency for a
+5-id and a 32,768-id body (the normal path, to compare trees with `--tree`). Figures only: nothing is asserted.
 
     python -m benchmarks.event_loop_stall_bench [--samples 9] [--tree DIR]
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.salt_flood_bench import victim_ttft
+from benchmarks.salt_flood_bench import VICTIM_PROMPT
 from benchmarks.schema_timing_bench import ROOT, start_server
 
 # The attacker loops in its own process, so its client work does not slow this one's (the GIL); it prints
@@ -47,6 +48,32 @@ with httpx.Client(timeout=300) as c:
     while True:
         seen[c.post(url, content=body, headers={"content-type": "application/json"}).status_code] += 1
 """
+
+
+def victim(base: str, model: str, client: httpx.Client) -> tuple[float, float]:
+    """The victim's TTFT and its median gap between tokens (16 greedy tokens, one reused client), seconds."""
+    body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+    body.update(cache_salt="b", ignore_eos=True)
+    start = time.perf_counter()
+    stamps: list[float] = []
+    with client.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                stamps.append(time.perf_counter())
+    if len(stamps) < 2:
+        raise RuntimeError("the victim got fewer than 2 tokens")
+    return stamps[0] - start, statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+
+
+def route_latency(client: httpx.Client, url: str, body: bytes, n: int) -> float:
+    """Median seconds of one request to `url` on an idle server (the route's own cost, the normal path)."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        client.post(url, content=body, headers={"content-type": "application/json"}).raise_for_status()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def attacks(model: str) -> dict[str, tuple[str, bytes]]:
@@ -68,11 +95,18 @@ def main() -> None:
     server, base, model = start_server(args.tree)
     report: dict[str, dict] = {"load_average_start": {"1min": os.getloadavg()[0]}}
     try:
-        with httpx.Client() as client:
+        with httpx.Client(timeout=300) as client:
             for _ in range(3):
-                victim_ttft(base, model, client)
+                victim(base, model, client)
+            small = json.dumps({"model": model, "tokens": VICTIM_PROMPT}).encode()
+            _, big = attacks(model)["detokenize"]
+            route_latency(client, base + "/detokenize", small, 3)  # the workers started
+            report["detokenize_alone_ms"] = {
+                "5 ids": round(route_latency(client, base + "/detokenize", small, 50) * 1e3, 2),
+                "32768 ids": round(route_latency(client, base + "/detokenize", big, 15) * 1e3, 1),
+            }
             for name, (route, body) in attacks(model).items():
-                before = [victim_ttft(base, model, client) for _ in range(args.samples)]
+                before = [victim(base, model, client) for _ in range(args.samples)]
                 body_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False)  # too big for argv
                 body_file.write(body)
                 body_file.close()
@@ -80,18 +114,19 @@ def main() -> None:
                     [sys.executable, "-c", ATTACKER, base + route, body_file.name], stdout=subprocess.PIPE
                 )
                 time.sleep(1.0)
-                attacked = [victim_ttft(base, model, client) for _ in range(args.samples)]
+                attacked = [victim(base, model, client) for _ in range(args.samples)]
                 proc.terminate()
                 statuses = json.loads(proc.communicate(timeout=30)[0] or b"{}")
                 os.unlink(body_file.name)
-                after = [victim_ttft(base, model, client) for _ in range(args.samples)]
-                idle = statistics.median(before + after)
-                report[name] = {
-                    "idle_median_ms": round(idle * 1e3, 1),
-                    "attacked_median_ms": round(statistics.median(attacked) * 1e3, 1),
-                    "ratio": round(statistics.median(attacked) / idle, 2),
-                    "attacker_statuses": statuses,
-                }
+                after = [victim(base, model, client) for _ in range(args.samples)]
+                entry: dict[str, object] = {"attacker_statuses": statuses}
+                for i, what in enumerate(("ttft", "itl")):
+                    idle = statistics.median(t[i] for t in before + after)
+                    busy = statistics.median(t[i] for t in attacked)
+                    entry[f"{what}_idle_median_ms"] = round(idle * 1e3, 1)
+                    entry[f"{what}_attacked_median_ms"] = round(busy * 1e3, 1)
+                    entry[f"{what}_ratio"] = round(busy / idle, 2)
+                report[name] = entry
     finally:
         server.terminate()
         server.wait(timeout=30)
