@@ -149,15 +149,17 @@ def test_langchain_chat_anthropic_invoke_and_stream(brine_server: BrineServer) -
 
 
 def test_readme_messages_example_runs(brine_server: BrineServer) -> None:
-    section = (ROOT / "docs" / "messages.md").read_text().split("# Anthropic's Messages API", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    section = (ROOT / "README.md").read_text().split("## The Responses and Messages APIs", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2 and "client.messages.create" in blocks[1], "README has no Messages example"
+    code = blocks[1]
     assert 'base_url="http://127.0.0.1:8000"' in code and 'api_key="unused"' in code
     code = code.replace("http://127.0.0.1:8000", brine_server.base_url)
     code = code.replace('api_key="unused"', f'api_key="{brine_server.api_key}"')
     code = code.replace('"tenant-7"', f'"{uuid.uuid4().hex}"')  # cold the first time, whatever ran before
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "docs/messages.md", "exec"), {})  # our own docs, on purpose
+        exec(compile(code, "README.md", "exec"), {})  # our own docs, on purpose
     counts = [tuple(map(int, line.split())) for line in out.getvalue().splitlines() if re.fullmatch(r"\d+ \d+ \d+", line)]  # fmt: skip
     (created, read, rest), (created2, read2, rest2) = counts
     assert created > 0 and read == 0 and rest > 0

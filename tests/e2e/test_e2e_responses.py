@@ -209,16 +209,16 @@ async def test_an_agents_sdk_agent_calls_its_function_tool(brine_server: BrineSe
 def test_readme_responses_example_runs_and_reads_the_first_turn_from_the_cache(
     brine_server: BrineServer,
 ) -> None:
-    section = (ROOT / "docs" / "responses.md").read_text().split("# OpenAI's Responses API", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "docs/responses.md has no python example"
+    section = (ROOT / "README.md").read_text().split("## The Responses and Messages APIs", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)  # the first example: Responses
+    assert match and "client.responses.create" in match.group(1), "README has no Responses example"
     code = match.group(1)
     assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="unused"' in code
     code = code.replace("http://127.0.0.1:8000/v1", f"{brine_server.base_url}/v1")
     code = code.replace('api_key="unused"', f'api_key="{brine_server.api_key}"')
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "docs/responses.md", "exec"), {})  # our own docs, on purpose
+        exec(compile(code, "README.md", "exec"), {})  # our own docs, on purpose
     printed = out.getvalue().rstrip("\n")
     text, cached = printed.rsplit("\n", 1)
     assert text.strip(), "the example printed no answer"
