@@ -20,6 +20,9 @@ from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.text_check import check_text
 
 DETOKENIZE_THREADS = 2
+# A body up to this size (~1,000 ids) is answered in a worker thread of this process: well under a millisecond
+# of GIL, where a worker process's round trip would cost about as much again (the normal path stays as fast).
+IN_PROCESS_BYTES = 8192
 
 
 def install_token_routes(app: FastAPI, engine: EngineClient) -> None:
@@ -80,9 +83,9 @@ def install_token_routes(app: FastAPI, engine: EngineClient) -> None:
             engine.model_name,
             app.state.limits.max_detokenize_tokens,
         )
-        if pool is not None:
+        if pool is not None and len(job.body) > IN_PROCESS_BYTES:
             result = await anyio.to_thread.run_sync(pool.run, job, limiter=detokenizing)
-        else:  # a tokenizer that cannot go to a worker (tests' fakes): the same answer, in a thread
+        else:  # a small body, or a tokenizer that cannot go to a worker (tests' fakes): the same, in a thread
             result = await anyio.to_thread.run_sync(
                 answer, job, engine.tokenizer.decode, engine.tokenizer.vocab_size, limiter=detokenizing
             )

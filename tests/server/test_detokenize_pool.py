@@ -1,7 +1,7 @@
-"""`/detokenize` with a real tokenizer is answered by worker processes (server.detokenize_pool): nothing of it,
-from parsing the body to decoding, runs in the server process, whose event loop and GIL every stream needs;
-each answer, errors included, is byte for byte the one the route gives in process; a dead worker is replaced;
-the workers die with the server."""
+"""`/detokenize` with a real tokenizer answers a large body in worker processes (server.detokenize_pool):
+nothing of it, from parsing the body to decoding, runs in the server process, whose event loop and GIL every
+stream needs; each answer, errors included, is byte for byte the one the route gives in process; a dead worker
+is replaced; the workers die with the server."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tiny_qwen import build_tiny_qwen
 
 from engine.tokenizer import Tokenizer
 from server.app import create_app
-from server.detokenize_pool import Job, answer
-from server.limits import RequestLimits
+from server.detokenize_pool import DetokenizePool, Job, answer
+from server.token_routes import IN_PROCESS_BYTES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from test_worker_process import check_workers_die_with_their_server  # noqa: E402
@@ -62,9 +62,7 @@ def _post(client: TestClient, body: bytes, content_type: str | None):  # type: i
     return client.post("/detokenize", content=body, headers=headers)
 
 
-def test_workers_answer_every_body_as_the_route_does_in_process(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_workers_answer_every_body_as_the_route_does_in_process(tokenizer: Tokenizer) -> None:
     in_process = [
         answer(Job(body, ct, MODEL, 4), tokenizer.decode, tokenizer.vocab_size) for body, ct in CASES
     ]
@@ -72,20 +70,41 @@ def test_workers_answer_every_body_as_the_route_does_in_process(
     assert [a.status for a in in_process].count(
         200
     ) == 6  # the rest are the errors the route has always given
+    pool = DetokenizePool(tokenizer.backend.to_str(), tokenizer.vocab_size, workers=1)
+    try:
+        for (body, ct), expected in zip(CASES, in_process, strict=True):
+            got = pool.run(Job(body, ct, MODEL, 4))
+            assert (got.status, got.body) == (expected.status, expected.body), body
+    finally:
+        pool.close()
+
+
+def test_a_large_body_is_answered_outside_the_server_process(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = [40 + i % 50 for i in range(3000)]  # ~15 KB of JSON: past what is answered in process
+    big = json.dumps({"model": MODEL, "tokens": ids, "unknown_field": 1}).encode()
+    assert len(big) > IN_PROCESS_BYTES
+    surrogate = json.dumps({"model": "\ud800", "tokens": ids}, ensure_ascii=True).encode()
+    expected = tokenizer.decode(ids)
     engine = FakeEngine(model_name=MODEL)
     engine.tokenizer = tokenizer
-    app = create_app(engine, limits=RequestLimits(max_detokenize_tokens=4))
+    app = create_app(engine)
 
     def not_here(*_: object, **__: object) -> str:
         raise AssertionError("decoded in the server process")
 
-    monkeypatch.setattr(Tokenizer, "decode", not_here)  # the old route decoded here (a 500 now)
-    with TestClient(app) as client, caplog.at_level("INFO", logger="brine.server"):
-        for (body, ct), expected in zip(CASES, in_process, strict=True):
-            r = _post(client, body, ct)
-            assert (r.status_code, r.content) == (expected.status, expected.body), body
-            assert r.headers["content-type"] == J
-    # What the workers logged reaches the server's log: the unknown field's warning, the refused surrogate.
+    with TestClient(app) as client:
+        small = _post(client, b'{"tokens": [40, 41]}', J)  # the normal path: in process, as before
+        assert small.status_code == 200 and small.json() == {"prompt": tokenizer.decode([40, 41])}
+        monkeypatch.setattr(Tokenizer, "decode", not_here)  # the old route decoded every body here
+        with caplog.at_level("INFO", logger="brine.server"):
+            r = _post(client, big, J)
+            assert r.status_code == 200 and r.headers["content-type"] == J
+            assert r.json() == {"prompt": expected}
+            bad = _post(client, surrogate, J)
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_text"
+    # What the worker logged reaches the server's log: the unknown field's warning, the refused surrogate.
     messages = [r.getMessage() for r in caplog.records]
     assert any("unknown_field" in m for m in messages), messages
     assert any("lone UTF-16 surrogate in model" in m for m in messages), messages
@@ -95,7 +114,7 @@ def test_a_dead_worker_is_replaced(tokenizer: Tokenizer) -> None:
     engine = FakeEngine(model_name=MODEL)
     engine.tokenizer = tokenizer
     app = create_app(engine)
-    body = b'{"tokens": [40, 41]}'
+    body = json.dumps({"tokens": [40 + i % 50 for i in range(3000)]}).encode()  # one for a worker
     with TestClient(app) as client:
         first = _post(client, body, J)
         assert first.status_code == 200
