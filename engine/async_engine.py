@@ -313,6 +313,12 @@ class AsyncEngine:
         with self._core_lock:
             return self._core.num_used_blocks()
 
+    def tier_work_pending(self) -> bool:
+        """Whether the KV tiers' threads still copy, encrypt or write blocks (False without tiers): what a
+        benchmark waits for so that a tier's cost is charged to the run that caused it."""
+        tiers = self._core.tiers
+        return tiers is not None and (tiers.busy or tiers.writing)
+
     def kv_event_sources(self) -> dict[str, dict[str, Any]]:
         """`GET /kv_event_sources`: one entry per data-parallel rank, keyed by the rank as a string ({} when
         events are off)."""

@@ -141,6 +141,7 @@ class KVTiers:
         self._loaded: list[tuple[str, int]] = []  # (request id, blocks that arrived), for poll()
         self._unpin: list[int] = []
         self._in_flight = 0  # writes and loads queued and not yet polled
+        self._writing = 0  # write jobs whose blocks are not yet stored in every tier (after their unpin too)
         self.num_written = 0
         self.num_loaded: dict[str, int] = {t.name: 0 for t in self.tiers}
         self._stream = torch.cuda.Stream(store.device) if store.device.type == "cuda" else None
@@ -173,6 +174,7 @@ class KVTiers:
         if blocks:
             with self._lock:
                 self._in_flight += 1
+                self._writing += 1
             self._writes.put(_Write(blocks, {t.name: t.epoch for t in self.tiers}))
 
     def submit_loads(self, plans: list[LoadPlan]) -> None:
@@ -193,6 +195,12 @@ class KVTiers:
     def busy(self) -> bool:
         with self._lock:
             return self._in_flight > 0
+
+    @property
+    def writing(self) -> bool:
+        """Whether submitted blocks are still being encrypted or written (their pages may be free already)."""
+        with self._lock:
+            return self._writing > 0
 
     def wait(self, timeout: float) -> None:
         """Block until a write or load finishes, at most `timeout` seconds (an idle step thread's wait)."""
@@ -240,6 +248,8 @@ class KVTiers:
                         except Exception:
                             logger.exception("KV tiers: a %s write failed", tier.name)
             self.num_written += len(payloads)
+            with self._lock:
+                self._writing -= 1
 
     def _load_loop(self) -> None:
         while (plan := self._loads.get()) is not None:

@@ -9,6 +9,7 @@ import asyncio
 import errno
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from engine import kv_disk, kv_tiers
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.kv_disk import DiskTier
 from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
@@ -171,5 +173,40 @@ async def test_a_failing_disk_turns_the_tier_off_and_requests_go_on(tmp_path: Pa
     try:
         assert engine._core.tiers is None
         assert (await run(engine, DOC))[0]
+    finally:
+        engine.shutdown()
+
+
+async def test_tier_work_pending_until_every_block_of_a_prompt_is_on_disk(
+    tmp_path: Path, monkeypatch
+) -> None:
+    plain = make()
+    try:
+        await run(plain, DOC[:40])
+        assert not plain.tier_work_pending()  # no tiers: never anything pending
+    finally:
+        plain.shutdown()
+    put, disk_free = DiskTier.put, threading.Event()
+
+    def held_put(self, *a, **k):  # a disk that takes its time: nothing is stored until the test says so
+        disk_free.wait(60)
+        return put(self, *a, **k)
+
+    monkeypatch.setattr(DiskTier, "put", held_put)
+    d = tmp_path / "kv"
+    engine = make(kv_disk_dir=str(d))
+    try:
+        await run(engine, DOC)
+        assert engine.tier_work_pending()  # the answer is out, its blocks are still being written
+        assert block_files(d) == 0
+        disk_free.set()
+        for _ in range(500):
+            if not engine.tier_work_pending():
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.tier_work_pending()
+        # 320 prompt tokens and 8 more make 20 full blocks of 16: all written once nothing is pending
+        assert block_files(d) >= len(DOC) // 16
+        await settle(engine)
     finally:
         engine.shutdown()
