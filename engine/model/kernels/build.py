@@ -170,12 +170,12 @@ def baseline_csrc(checkout: Path) -> Path:
 
 def build_baseline(csrc: Path, target: Path) -> Kernels:
     """Another checkout's kernels (`baseline_csrc`), built into `target` and bound, for before / after
-    benchmarks in one process (benchmarks/attention_bench.py --baseline). Raises where they do not build or
-    have other ABIs."""
+    benchmarks in one process (benchmarks/attention_bench.py --baseline), for the tier BRINE_CPU_TIER names
+    (this CPU's own unless set), as this tree's are. Raises where they do not build or have other ABIs."""
     compiler = _compiler()
     if compiler is None:
         raise OSError("no C++ compiler (g++) found")
-    _build(compiler, target, csrc)
+    _build(compiler, target, csrc, flags=tier_flags(selected_tier()))
     return _bind(target)
 
 

@@ -30,9 +30,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "dtypes.h"
+#include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BRINE_BF16_SCORES 1
@@ -589,6 +591,176 @@ void run_bf16_items(const Args& a, int threads) {
 
 #endif
 
+// ---- float32 with 16 rows in the lanes: 16-key blocks, head_dim a multiple of 16, items of 16 rows or more ----
+//
+// The generic path's arithmetic, element for element, with the vectors laid across rows instead of keys: lane l
+// of a group is row r0 + l of the item. A score is still q . k over d in order from 0 (fma by fma), a weight
+// exp_nonpos(score - max) (the same operations, simd.h's lanes), a row's weight sums per key lane (position mod
+// 16) in block order and then the same halving tree, and its output fma(weight, value, o) key by key in position
+// order with hidden keys left out (blended away, never added), divided by the sum at the end. Only the max is
+// taken in another order (key by key instead of per key lane, then a tree), and a max is exact in any order (a
+// NaN never wins either way; +0 or -0 as the max gives every score - max the same bits, and exp the same result).
+// Why: in the generic loops the compiler keeps one row's 16 keys in a vector, and transposes each block's keys
+// element by element; here the rows share every key and value load (one broadcast per element), each block's
+// keys are read as stored, and the chains are register-blocked to fill the CPU's vector registers (AVX2's 16
+// ymm, AVX512's 32 zmm). AVX2 tier, one thread, the default model's shape: a 2,048-token prefill 168 -> 65 ms per
+// layer (29 -> 75 GFLOP/s), a 16-token chunk over 2,000 cached 2.1 -> 0.8 ms; same bits.
+constexpr int kLanes = 16;
+constexpr int kLaneRowsMin = 16;  // items with fewer rows (a decode: the GQA group's few) keep the generic path
+#if defined(BRINE_SIMD_AVX512)
+constexpr int kChunk = 16;  // keys of a block per score chunk, dims per value chunk: accumulators in registers
+#elif defined(BRINE_SIMD_AVX2)
+constexpr int kChunk = 6;  // two ymm per VF: 12 accumulators, the operand and a broadcast
+#else
+constexpr int kChunk = 4;
+#endif
+
+template <int N>
+using Count = std::integral_constant<int, N>;
+template <int kHigh, typename F>
+inline void with_count(int n, F&& f) {  // f(Count<n>{}) for 1 <= n <= kHigh
+    if constexpr (kHigh >= 1) {
+        if (n == kHigh) return f(Count<kHigh>{});
+        with_count<kHigh - 1>(n, f);
+    }
+}
+
+inline simd::VF exp_nonpos_lanes(simd::VF x) {  // exp_nonpos, lane by lane: the same operations in the same order
+    using namespace simd;
+    x = vmax(x, vset1(-87.0f));
+    const VF magic = vset1(12582912.0f);
+    const VF n = vsub(vadd(vmul(x, vset1(1.44269504088896341f)), magic), magic);
+    VF r = vfmadd(n, vset1(-0.693359375f), x);
+    r = vfmadd(n, vset1(2.12194440e-4f), r);
+    VF p = vset1(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = vfmadd(p, r, vset1(kExpPoly[i]));
+    const VF y = vadd(vfmadd(vmul(p, r), r, r), vset1(1.0f));
+    return vmul(y, vpow2i(n));
+}
+
+// Scores of keys kb[0 .. N) (each a row of D floats, `stride` apart) for the group's 16 rows: s[j] lane l =
+// sum over d in order of qT[d][l] k[j][d].
+template <int N, int D>
+inline void lane_scores(const float* qT, const float* kb, int64_t stride, float* s) {
+    using namespace simd;
+    VF acc[N];
+    for (int j = 0; j < N; ++j) acc[j] = vzero();
+    for (int d = 0; d < D; ++d) {
+        const VF q = vload(qT + d * kLanes);
+        for (int j = 0; j < N; ++j) acc[j] = vfmadd(q, vset1(kb[j * stride + d]), acc[j]);
+    }
+    for (int j = 0; j < N; ++j) vstore(s + j * kLanes, acc[j]);
+}
+
+// Output dims d0 .. d0 + N of the group's rows over blocks [b0, b1): o[i] = fma(p[key], v[key][d0 + i], o[i]) key
+// by key, keys a lane does not see left out.
+template <int N, int D>
+inline void lane_values(const Args& a, const int32_t* table, int kvh, int b0, int b1, int full_lo, int full_hi,
+                        simd::VF vlo, simd::VF vhi, const float* w, int d0, float* acc) {
+    using namespace simd;
+    constexpr int BS = 16;
+    const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
+    VF o[N];
+    for (int i = 0; i < N; ++i) o[i] = vzero();
+    for (int b = b0; b < b1; ++b) {
+        const float* vb = static_cast<const float*>(a.v_cache) + (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D + d0;
+        const float* p = w + (b - b0) * BS * kLanes;
+        if (full_lo <= BS * b && full_hi >= BS * b + BS) {
+            for (int j = 0; j < BS; ++j) {
+                const VF pj = vload(p + j * kLanes);
+                for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vset1(vb[j * stride + i]), o[i]);
+            }
+        } else {
+            for (int j = 0; j < BS; ++j) {
+                const VF pj = vload(p + j * kLanes), pos = vset1(static_cast<float>(BS * b + j));
+                for (int i = 0; i < N; ++i) o[i] = vkeep(pos, vlo, vhi, vfmadd(pj, vset1(vb[j * stride + i]), o[i]), o[i]);
+            }
+        }
+    }
+    for (int i = 0; i < N; ++i) vstore(acc + (d0 + i) * kLanes, o[i]);
+}
+
+// Rows r0 .. r0 + 16 of one item (fewer at its end: the pad lanes repeat the last row's keys with a zero query
+// and are not stored) for KV head kvh, float32 caches.
+template <int DC>
+void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vector<float>& buf) {
+    using namespace simd;
+    constexpr int BS = 16, D = DC;
+    const int G = a.heads / a.kv_heads, R = ik.ntok * G, rows = std::min(kLanes, R - r0);
+    const int t_first = r0 / G, t_last = (r0 + rows - 1) / G;
+    alignas(64) float lo[kLanes], hi[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+        const int t = l < rows ? (r0 + l) / G : t_last;
+        lo[l] = static_cast<float>(ik.first_key(a, t));
+        hi[l] = static_cast<float>(ik.end_key(a, t));
+    }
+    const VF vlo = vload(lo), vhi = vload(hi);
+    // A token's keys are [first_key, end_key), both non-decreasing in the token: the group sees the blocks of
+    // [first_key(t_first), end_key(t_last)), and every lane sees all of a block inside [full_lo, full_hi).
+    const int b_lo = ik.first_key(a, t_first) / BS, b_hi = (ik.end_key(a, t_last) + BS - 1) / BS;
+    const int full_lo = ik.first_key(a, t_last), full_hi = ik.end_key(a, t_first);
+    const int span = (b_hi - b_lo) * BS;
+    buf.resize(static_cast<size_t>(kLanes) * (2 * D + span + BS));
+    float* qT = buf.data();        // [D][16] scaled queries
+    float* w = qT + D * kLanes;    // [span][16] scores, then weights
+    float* ls = w + span * kLanes; // [16 key lanes][16] sums of weights
+    float* acc = ls + BS * kLanes; // [D][16] weighted sums of values
+    for (int l = 0; l < kLanes; ++l) {
+        const int r = r0 + l;
+        const int64_t qo = l < rows ? (ik.tok0 + r / G) * a.q_stride_t + (kvh * G + r % G) * a.q_stride_h : 0;
+        for (int d = 0; d < D; ++d) qT[d * kLanes + l] = l < rows ? load<kDtypeF32>(a.q, qo + d) * a.scale : 0.0f;
+    }
+    const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
+    const auto block_of = [&](const void* cache, int b) {
+        return static_cast<const float*>(cache) + (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
+    };
+    const auto full = [&](int b) { return full_lo <= BS * b && full_hi >= BS * b + BS; };
+    // Pass 1: scores, and each row's max over the keys it sees.
+    VF mx = vset1(-INFINITY);
+    for (int b = b_lo; b < b_hi; ++b) {
+        const float* kb = block_of(a.k_cache, b);
+        if (b + 1 < b_hi) {  // the next block's keys (its rows are scattered: the prefetcher would not guess them)
+            const char* next = reinterpret_cast<const char*>(block_of(a.k_cache, b + 1));
+            for (int j = 0; j < BS; ++j)
+                for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(next + j * stride * 4 + o, 0, 3);
+        }
+        float* s = w + (b - b_lo) * BS * kLanes;
+        for (int j0 = 0; j0 < BS; j0 += kChunk)
+            with_count<kChunk>(std::min(kChunk, BS - j0), [&](auto N) {
+                lane_scores<N.value, D>(qT, kb + j0 * stride, stride, s + j0 * kLanes);
+            });
+        const bool whole = full(b);
+        for (int j = 0; j < BS; ++j) {
+            const VF x = vload(s + j * kLanes);
+            mx = whole ? vmax(x, mx) : vkeep(vset1(static_cast<float>(BS * b + j)), vlo, vhi, vmax(x, mx), mx);
+        }
+    }
+    // Pass 2: weights (hidden keys exactly 0) and their sums per key lane, block by block.
+    for (int j = 0; j < BS; ++j) vstore(ls + j * kLanes, vzero());
+    for (int b = b_lo; b < b_hi; ++b) {
+        float* p = w + (b - b_lo) * BS * kLanes;
+        const bool whole = full(b);
+        for (int j = 0; j < BS; ++j) {
+            const VF e = exp_nonpos_lanes(vsub(vload(p + j * kLanes), mx));
+            const VF pj = whole ? e : vkeep(vset1(static_cast<float>(BS * b + j)), vlo, vhi, e, vzero());
+            vstore(p + j * kLanes, pj);
+            vstore(ls + j * kLanes, vadd(vload(ls + j * kLanes), pj));
+        }
+    }
+    for (int d0 = 0; d0 < D; d0 += kChunk)
+        with_count<kChunk>(std::min(kChunk, D - d0), [&](auto N) {
+            lane_values<N.value, D>(a, ik.table, kvh, b_lo, b_hi, full_lo, full_hi, vlo, vhi, w, d0, acc);
+        });
+    for (int h = BS / 2; h >= 1; h /= 2)  // the sums' halving tree over the key lanes
+        for (int j = 0; j < h; ++j) vstore(ls + j * kLanes, vadd(vload(ls + j * kLanes), vload(ls + (j + h) * kLanes)));
+    for (int l = 0; l < rows; ++l) {
+        const int r = r0 + l;
+        const int64_t oo = (static_cast<int64_t>(ik.tok0 + r / G) * a.heads + kvh * G + r % G) * D;
+        const float lr = ls[l] > 0.0f ? ls[l] : 1.0f;  // a row that sees no key (not causal): 0
+        for (int d = 0; d < D; ++d) store<kDtypeF32>(a.out, oo + d, acc[d * kLanes + l] / lr);
+    }
+}
+
 template <int DT, int BSC, int DC>
 void run_items(const Args& a, int threads) {
 #if BRINE_BF16_SCORES
@@ -601,8 +773,19 @@ void run_items(const Args& a, int threads) {
     {
         std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < work; ++w)
-            attend_item<DT, BSC, DC>(a, w / a.kv_heads, static_cast<int>(w % a.kv_heads), buf);
+        for (int64_t w = 0; w < work; ++w) {
+            const int64_t item = w / a.kv_heads;
+            const int kvh = static_cast<int>(w % a.kv_heads);
+            if constexpr (DT == kDtypeF32 && BSC == 16 && DC > 0 && DC % 16 == 0) {
+                const ItemKeys ik(a, item, 16);
+                const int rows = ik.ntok * (a.heads / a.kv_heads);
+                if (rows >= kLaneRowsMin) {
+                    for (int r0 = 0; r0 < rows; r0 += kLanes) attend_lanes<DC>(a, ik, kvh, r0, buf);
+                    continue;
+                }
+            }
+            attend_item<DT, BSC, DC>(a, item, kvh, buf);
+        }
     }
 }
 

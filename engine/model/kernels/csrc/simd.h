@@ -3,7 +3,8 @@
 //   - AVX512F + BW:           one __m512 (also the AVX512-BF16 tier, whose bfloat16 dot products are extra);
 //   - AVX2 + FMA + F16C:      two __m256 (lanes 0-7, then 8-15);
 //   - anything else:          float[16] and loops (ARM64, old x86, any compiler target): the portable tier.
-// Every function is lane-wise IEEE arithmetic (fma is fused, rounded once; add and mul rounded once), so a lane's
+// Every function is lane-wise IEEE arithmetic (fma is fused, rounded once; add, sub, mul rounded once; vmax is
+// a > b ? a : b; vkeep picks x where lo <= pos < hi, else other), so a lane's
 // bits are the same on every tier: the kernels' results differ between tiers only where a tier has an
 // instruction the others emulate differently (AVX512-BF16's vdpbf16ps), never within one tier by batch.
 #pragma once
@@ -75,6 +76,18 @@ inline __mmask16 vmask(int count) { return count >= 16 ? __mmask16{0xffff} : sta
 inline VF vload_part(const float* p, int count) { return {_mm512_maskz_loadu_ps(vmask(count), p)}; }
 inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x.v); }
 inline void vstore_part(float* p, VF x, int count) { _mm512_mask_storeu_ps(p, vmask(count), x.v); }
+inline VF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VF vsub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VF vmax(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }  // vmaxps: a > b ? a : b (NaN, +-0 too)
+inline VF vkeep(VF pos, VF lo, VF hi, VF x, VF other) {
+    const __mmask16 in = _mm512_cmp_ps_mask(lo.v, pos.v, _CMP_LE_OQ) & _mm512_cmp_ps_mask(pos.v, hi.v, _CMP_LT_OQ);
+    return {_mm512_mask_blend_ps(in, other.v, x.v)};
+}
+inline VF vpow2i(VF n) {  // 2^n for integral n in [-126, 127]: the exponent bits ((int)n + 127) << 23
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n.v), _mm512_set1_epi32(127)), 23);
+    return {_mm512_castsi512_ps(e)};
+}
 #elif defined(BRINE_SIMD_AVX2)
 struct VF {
     __m256 a, b;
@@ -103,6 +116,21 @@ inline void vstore_part(float* p, VF x, int count) {
     vstore(t, x);
     std::memcpy(p, t, sizeof(float) * static_cast<size_t>(count));
 }
+inline VF vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline VF vmul(VF a, VF b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+inline VF vsub(VF a, VF b) { return {_mm256_sub_ps(a.a, b.a), _mm256_sub_ps(a.b, b.b)}; }
+inline VF vmax(VF a, VF b) { return {_mm256_max_ps(a.a, b.a), _mm256_max_ps(a.b, b.b)}; }  // a > b ? a : b
+inline __m256 keep8(__m256 pos, __m256 lo, __m256 hi, __m256 x, __m256 other) {
+    const __m256 in = _mm256_and_ps(_mm256_cmp_ps(lo, pos, _CMP_LE_OQ), _mm256_cmp_ps(pos, hi, _CMP_LT_OQ));
+    return _mm256_blendv_ps(other, x, in);
+}
+inline VF vkeep(VF pos, VF lo, VF hi, VF x, VF other) {
+    return {keep8(pos.a, lo.a, hi.a, x.a, other.a), keep8(pos.b, lo.b, hi.b, x.b, other.b)};
+}
+inline __m256 pow2i8(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline VF vpow2i(VF n) { return {pow2i8(n.a), pow2i8(n.b)}; }
 #else
 struct alignas(64) VF {
     float v[16];
@@ -134,6 +162,35 @@ inline VF vload_part(const float* p, int count) {
 }
 inline void vstore_part(float* p, VF x, int count) {
     std::memcpy(p, x.v, sizeof(float) * static_cast<size_t>(count < 16 ? count : 16));
+}
+inline VF vload(const float* p) {
+    VF r;
+    std::memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+inline VF vmul(VF a, VF b) {
+    for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+    return a;
+}
+inline VF vsub(VF a, VF b) {
+    for (int i = 0; i < 16; ++i) a.v[i] -= b.v[i];
+    return a;
+}
+inline VF vmax(VF a, VF b) {
+    for (int i = 0; i < 16; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return a;
+}
+inline VF vkeep(VF pos, VF lo, VF hi, VF x, VF other) {
+    for (int i = 0; i < 16; ++i) x.v[i] = (lo.v[i] <= pos.v[i] && pos.v[i] < hi.v[i]) ? x.v[i] : other.v[i];
+    return x;
+}
+inline VF vpow2i(VF n) {
+    VF r;
+    for (int i = 0; i < 16; ++i) {
+        const int32_t e = (static_cast<int32_t>(n.v[i]) + 127) << 23;
+        std::memcpy(&r.v[i], &e, 4);
+    }
+    return r;
 }
 #endif
 
