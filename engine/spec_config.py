@@ -8,7 +8,10 @@ when speculation backs off for the whole step (engine.spec_decode), measured on 
 docs/speculative-decoding.md:
 `disable_by_batch_size` (vLLM's name: no drafts in a step once this many sequences run) and
 `max_draft_tokens_per_step` (the drafts of one step together, so a batch whose step is compute-bound does not
-pay for drafts it cannot afford). Stdlib only: `brine --help` imports this.
+pay for drafts it cannot afford); and one about each request's drafts: `min_draft_acceptance`, the least
+chance of being accepted that a draft token must have (from the request's record) to be drafted, which is
+what a draft row costs over what a sequence's row of the step costs. Stdlib only: `brine --help` imports
+this.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class SpeculativeConfig:
     )
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN  # the shortest one that may propose a draft
     disable_by_batch_size: int = 32
+    # A draft row of a verified chunk costs about 0.3 of a sequence's decode row on CPU at a 2,000-token
+    # context, at every batch size measured (benchmarks/spec_step_cost.py): a token less likely than that
+    # to be accepted costs more than it saves.
+    min_draft_acceptance: float = 0.3
     max_draft_tokens_per_step: int = 128
     # Drafts in a step that also prefills, or while prompts wait: off, since the drafts take the prefills'
     # token budget (16 free-text streams took more steps with them). Tests turn it on to draft under preemption.
@@ -57,9 +64,14 @@ class SpeculativeConfig:
         if raw.get("method", "ngram") != "ngram":
             raise ValueError(f"method {raw.get('method')!r} is not supported; only 'ngram' (prompt lookup)")
         values = dict(raw)
-        for name in sorted(known - {"method", "draft_beside_prefill"}):
+        for name in sorted(known - {"method", "draft_beside_prefill", "min_draft_acceptance"}):
             if name in values and (not isinstance(values[name], int) or isinstance(values[name], bool)):
                 raise ValueError(f"{name} must be an integer, got {values[name]!r}")
+        floor = values.get("min_draft_acceptance", 0.3)
+        if not isinstance(floor, (int, float)) or isinstance(floor, bool):
+            raise ValueError(f"min_draft_acceptance must be a number, got {floor!r}")
+        if "min_draft_acceptance" in values:
+            values["min_draft_acceptance"] = float(floor)
         if not isinstance(values.get("draft_beside_prefill", False), bool):
             raise ValueError(
                 f"draft_beside_prefill must be true or false, got {values['draft_beside_prefill']!r}"
@@ -83,6 +95,8 @@ class SpeculativeConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_LOOKUP}, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        if not 0.0 <= self.min_draft_acceptance < 1.0:
+            raise ValueError(f"min_draft_acceptance must be in [0, 1), got {self.min_draft_acceptance}")
         if self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
         if self.max_draft_tokens_per_step < 1:

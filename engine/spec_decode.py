@@ -8,9 +8,14 @@ When to draft:
 - only a request in decode (one known token left to compute), never one under a grammar: structured outputs
   turn speculation off for that request (its mask is per position and would need each draft accepted by the
   matcher first);
-- K adapts per request: it grows by one after a step that accepted every draft and falls to one past what
-  was accepted otherwise; a request whose single draft fails skips the next 1, 2, 4 .. 32 steps' lookups, so
-  text with no repetition pays almost nothing;
+- K adapts per request, from what its drafts have done: the request keeps a running estimate of the chance
+  that a draft token is accepted once the drafts before it were (its accepted drafts over the drafts it has
+  tested, the recent ones weighing most), and drafts the j-th token only while that chance to the power j,
+  the chance that the token is accepted at all, is at least `min_draft_acceptance`: below it, a draft row
+  costs more than it is expected to save (on CPU a row of a verified chunk costs about a third of what a
+  sequence's decode row costs: docs/speculative-decoding.md). A request whose drafts fail while even one
+  token is below that skips the next 1, 2, 4 .. 32 steps' lookups, so text with no repetition pays almost
+  nothing;
 - per step, none while a prompt waits or is being prefilled, none while more than `disable_by_batch_size`
   sequences run, and at most
   `max_draft_tokens_per_step` drafts in the step together (a large batch is compute-bound, where a rejected
@@ -34,15 +39,24 @@ from engine.spec_config import SpeculativeConfig
 from metrics.stats import SpecDecodingStats
 
 MAX_SKIP = 32  # steps a request with failing drafts waits at most before it looks up again
+# The estimate's start (3 accepted of 4 tested: a fresh request drafts a few tokens, as copying text does)
+# and how fast old drafts fade (each verification keeps this much of the counts so far: ~6 drafts' memory).
+PRIOR_ACCEPTED, PRIOR_TESTED = 3.0, 4.0
+DECAY = 0.85
 
 
 @dataclass(slots=True, eq=False)
 class _RequestSpec:
     request: Request  # whose state this is (an id may be reused once its request has finished)
     index: NgramIndex
-    k: int
-    misses: int = 0  # consecutive single-draft failures
+    accepted: float = PRIOR_ACCEPTED  # draft tokens accepted (decayed)
+    tested: float = PRIOR_TESTED  # draft tokens whose fate was seen: the accepted ones, and a rejected one
+    misses: int = 0  # consecutive verifications that accepted nothing while drafting was not worth it
     skip: int = 0  # lookups left to skip
+
+    def rate(self) -> float:
+        """The chance that a draft token is accepted, given that the drafts before it were."""
+        return self.accepted / self.tested
 
 
 class SpecDecoder:
@@ -75,12 +89,13 @@ class SpecDecoder:
         state = self._states.get(req.request_id)
         if state is None or state.request is not req:
             c = self.config
-            state = _RequestSpec(req, NgramIndex(c.prompt_lookup_min), c.num_speculative_tokens)
+            state = _RequestSpec(req, NgramIndex(c.prompt_lookup_min))
             self._states[req.request_id] = state
         if state.skip:
             state.skip -= 1
             return []
-        drafts = state.index.propose(req.all_token_ids, min(state.k, left), self.config.prompt_lookup_max)
+        k = self.num_drafts(state.rate())
+        drafts = state.index.propose(req.all_token_ids, min(k, left), self.config.prompt_lookup_max)
         self._step_left -= len(drafts)
         return drafts
 
@@ -98,18 +113,25 @@ class SpecDecoder:
             self._stats = SpecDecodingStats()
         self._stats.observe(num_drafts, verified.num_accepted)
 
+    def num_drafts(self, rate: float) -> int:
+        """How many tokens to draft at this per-token acceptance `rate`: the j-th is accepted with chance
+        rate ** j, and is drafted while that is at least min_draft_acceptance (at least one: a probe, which
+        `_adapt` spaces out while it keeps failing), at most num_speculative_tokens."""
+        c = self.config
+        k, chance = 0, rate
+        while k < c.num_speculative_tokens and chance >= c.min_draft_acceptance:
+            k += 1
+            chance *= rate
+        return max(1, k)
+
     def _adapt(self, state: _RequestSpec, drafted: int, accepted: int) -> None:
-        if accepted == drafted:
-            state.k = min(self.config.num_speculative_tokens, state.k + 1)
-            state.misses = 0
-        elif accepted:
-            state.k = accepted + 1
-            state.misses = 0
-        elif drafted > 1:
-            state.k = 1
-        else:
+        state.accepted = state.accepted * DECAY + accepted
+        state.tested = state.tested * DECAY + accepted + (1 if accepted < drafted else 0)
+        if accepted == 0 and state.rate() < self.config.min_draft_acceptance:
             state.misses += 1
             state.skip = min(MAX_SKIP, 1 << (state.misses - 1))
+        else:
+            state.misses = 0
 
     def take_stats(self) -> SpecDecodingStats | None:
         """This step's drafts (None when none was verified); the next step starts afresh."""

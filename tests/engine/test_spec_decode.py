@@ -21,6 +21,7 @@ from engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprob, Verified
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.spec_config import SpeculativeConfig
+from engine.spec_decode import SpecDecoder, _RequestSpec
 from engine.spec_verify import accept
 from kv_cache.stats import BlockStored
 
@@ -201,14 +202,66 @@ def test_speculative_config_parses_vllm_shape_and_refuses_bad_values() -> None:
     )
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 6, 3)
     assert SpeculativeConfig.from_json('{"prompt_lookup_max": 1}').prompt_lookup_min == 1
+    assert SpeculativeConfig.from_json('{"min_draft_acceptance": 0}').min_draft_acceptance == 0.0
     for bad, word in [
         ('{"method": "eagle"}', "method"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"num_speculative_tokens": true}', "num_speculative_tokens"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"draft_model": "x"}', "draft_model"),
+        ('{"min_draft_acceptance": 1.0}', "min_draft_acceptance"),
+        ('{"min_draft_acceptance": "0.3"}', "min_draft_acceptance"),
         ("[1]", "object"),
         ("{", "JSON"),
     ]:
         with pytest.raises(ValueError, match=word):
             SpeculativeConfig.from_json(bad)
+
+
+def _spec_state(config: SpeculativeConfig) -> tuple[SpecDecoder, _RequestSpec]:
+    return SpecDecoder(config, 1024), _RequestSpec(None, NgramIndex(2))  # type: ignore[arg-type]
+
+
+def test_k_follows_the_chance_that_each_draft_token_is_accepted() -> None:
+    """The j-th token is drafted while rate ** j >= min_draft_acceptance (0.3): a fresh request (3 of 4)
+    drafts 4, a fully rejected draft brings it to 2, accepted ones raise it to K; never below one."""
+    spec, state = _spec_state(SpeculativeConfig(num_speculative_tokens=8))
+    assert state.rate() == 0.75 and spec.num_drafts(state.rate()) == 4  # .75 .56 .42 .32 | .24
+    spec._adapt(state, 4, 0)  # 2.55 of 4.4: .58 .34 | .19
+    assert spec.num_drafts(state.rate()) == 2 and state.skip == 0  # still worth drafting: no skip
+    for _ in range(6):
+        spec._adapt(state, 4, 4)
+    assert state.rate() > 0.86 and spec.num_drafts(state.rate()) == 8
+    spec._adapt(state, 8, 3)  # a partial acceptance costs one rejected token's worth, not all of K
+    assert spec.num_drafts(state.rate()) >= 6
+    assert spec.num_drafts(0.01) == 1  # a probe
+    assert SpecDecoder(SpeculativeConfig(min_draft_acceptance=0.0), 1024).num_drafts(0.01) == 4
+
+
+def test_drafts_that_keep_failing_space_out_their_lookups() -> None:
+    spec, state = _spec_state(SpeculativeConfig(num_speculative_tokens=4))
+    skips = []
+    for _ in range(8):
+        spec._adapt(state, spec.num_drafts(state.rate()), 0)
+        skips.append(state.skip)
+    # worth drafting after three failures (rate .58, .46, .37), then .30 and below: skipped 1, 2, 4 .. steps
+    assert skips == [0, 0, 0, 1, 2, 4, 8, 16]
+    state.skip = 0  # those lookups skipped, the next probe is accepted: looked up every step again
+    spec._adapt(state, 1, 1)
+    assert state.skip == 0 and state.misses == 0
+
+
+def test_a_request_that_copies_its_prompt_drafts_k_tokens_a_step() -> None:
+    """On the fake runner a request whose output repeats its prompt gets every draft accepted: once its rate
+    has risen it drafts num_speculative_tokens a step, and its tokens are those of plain decoding."""
+    spec = SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_max=4, prompt_lookup_min=2)
+    runner = SpecFakeRunner(num_blocks=96, block_size=4, next_token=scripted(TEXT * 3))
+    core = EngineCore(
+        runner, ByteTokenizer(), EngineConfig(speculative_config=spec, max_num_batched_tokens=32)
+    )
+    core.add_request("a", list((TEXT * 2).encode()), SamplingParams(max_tokens=60))
+    outs = run_to_completion(core)
+    drafts = [len(s.draft_token_ids) for out in runner.steps for s in out.scheduled if s.sample]
+    assert max(drafts) == 6 and drafts[-8:-1].count(6) >= 4, drafts
+    plain, _, _ = run(None, {"a": TEXT * 2})
+    assert collect(outs, "a")[0] == plain["a"]
