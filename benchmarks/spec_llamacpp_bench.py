@@ -48,7 +48,15 @@ def llama_worker() -> None:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     setup = json.loads(sys.stdin.readline())
-    common = dict(model_path=setup["gguf"], n_ctx=setup["n_ctx"], n_threads=setup["threads"], verbose=False)
+    # logits_all as its server's default (True): with a draft model 0.3.36 needs it, since it sizes the
+    # logits buffer from the argument (n_batch rows without it) and then writes every row of a prompt there.
+    common = dict(
+        model_path=setup["gguf"],
+        n_ctx=setup["n_ctx"],
+        n_threads=setup["threads"],
+        logits_all=True,
+        verbose=False,
+    )
     models = {
         "off": Llama(**common),
         "on": Llama(
