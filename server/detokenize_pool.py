@@ -14,8 +14,10 @@ a worker, as the tests' fakes, is answered in a thread): the body read as FastAP
 when the Content-Type says so or is absent), validated as `DetokenizeRequest`, then the checks the route has
 always made, in its order, with its errors.
 
-Workers (engine.worker_process) die with the server, start in the background when the pool is made, and one
-that dies is replaced; at most `workers` run, as many as the route lets decode at once.
+Workers (engine.worker_process) die with the server and start on demand, when a large body finds none idle
+(about a second for that body: most servers never see one, and each worker holds ~95 MB with the default
+model's tokenizer), and one that dies is replaced; at most `workers` run, as many as the route lets decode at
+once.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def _is_json(content_type: str | None) -> bool:
 class DetokenizePool:
     def __init__(self, tokenizer_json: str, vocab_size: int | None, workers: int = WORKERS) -> None:
         """`tokenizer_json`: the Rust tokenizer (`tokenizers.Tokenizer.to_str()`) the workers decode with.
-        Starts the workers in the background."""
+        Starts no worker: `run` starts them as they are needed."""
         self._init = (tokenizer_json, vocab_size)
         self.workers = workers
         self._idle: queue.Queue[WorkerProcess] = queue.Queue()
@@ -134,7 +136,6 @@ class DetokenizePool:
         self._lock = threading.Lock()
         self._closed = False
         self._all: list[WorkerProcess] = []
-        threading.Thread(target=self._prestart, name="brine-detokenize-start", daemon=True).start()
 
     def run(self, job: Job) -> Answer:
         """Blocks (call it from a worker thread) until a worker has answered `job`. A worker found dead (killed
@@ -157,10 +158,6 @@ class DetokenizePool:
         for level, message in result.logs:
             logger.log(level, "%s", message)  # the worker's "brine.server" lines, in the server's log
         return result
-
-    def _prestart(self) -> None:
-        while (worker := self._spawn()) is not None:
-            self._idle.put(worker)
 
     def _spawn(self) -> WorkerProcess | None:
         with self._lock:
