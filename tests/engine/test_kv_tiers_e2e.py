@@ -43,10 +43,10 @@ class TierHits(StatLogger):
             self.by_tier[tier] = self.by_tier.get(tier, 0) + n
 
 
-def make(hits: TierHits | None = None, **kw: object) -> AsyncEngine:
+def make(hits: TierHits | None = None, device: str = "cpu", **kw: object) -> AsyncEngine:
     config = EngineConfig(
         num_blocks=NUM_BLOCKS,
-        device="cpu",
+        device=device,
         stat_loggers=[hits] if hits else [],
         **kw,  # type: ignore[arg-type]
     )
@@ -85,9 +85,11 @@ def block_files(d: Path) -> int:
     return len(list((d / "blocks").iterdir()))
 
 
-async def test_host_tier_serves_an_evicted_prefix_with_the_same_tokens_and_logprobs() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+async def test_host_tier_serves_an_evicted_prefix_with_the_same_tokens_and_logprobs(device: str) -> None:
+    """On CUDA the host tier is the RAM between the device pool and the disk (copies on a stream of their own)."""
     hits = TierHits()
-    engine = make(hits, kv_host_memory=64 * 2**20)
+    engine = make(hits, device, kv_host_memory=64 * 2**20)
     try:
         cold = await run(engine, DOC)
         await flood(engine)
