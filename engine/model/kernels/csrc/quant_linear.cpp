@@ -63,15 +63,18 @@ constexpr bool kBf16Dot = true;
 constexpr bool kBf16Dot = false;
 #endif
 
-// The float32 dot products take kInputStep inputs' weight vectors at a time (each lane's fmas in the same order
-// either way): two on AVX512 (32 registers); one on AVX2, where two inputs' weights (four ymm) beside 6 rows'
-// partial sums (12 ymm) left a sum spilled to the stack and its chain waiting on a store-to-load forward in every
-// iteration (one at a time measured 1.05-1.2x faster on one thread).
-#if defined(BRINE_SIMD_AVX512)
-constexpr int kInputStep = 2;
+// The float32 dot products of R rows take input_step(R) inputs' weight vectors at a time (each lane's fmas in the
+// same order either way): two, except on AVX2 beside more than 4 rows, where two inputs' weights (four ymm)
+// beside 6 rows' partial sums (12 ymm) left a sum spilled to the stack and its chain waiting on a store-to-load
+// forward in every iteration (one at a time measured 1.05-1.2x faster there, one thread). With few rows (decode)
+// there are registers to spare, and one at a time made an AVX2 decode step ~1.4x slower.
+constexpr int input_step(int rows) {
+#if defined(BRINE_SIMD_AVX2)
+    return rows > 4 ? 1 : 2;
 #else
-constexpr int kInputStep = 1;
+    return static_cast<void>(rows), 2;
 #endif
+}
 
 // Rows per group, at most (measured on AVX512): each row is one chain of dot products per lane, and each group
 // reads the weights again (from cache), which costs the wider int8 records more. AVX2 has 16 vector registers
@@ -354,11 +357,12 @@ inline void block_dot(const Args& a, const VF* w, int64_t b, int64_t r0, VF* tot
         VF part[R];
         for (int r = 0; r < R; ++r) part[r] = vzero();
         const auto inputs = [&](int i0, int i1) {
-            for (int i = i0; i < i1; i += kInputStep) {
-                VF wi[kInputStep];
-                for (int s = 0; s < kInputStep; ++s) wi[s] = w[i + s];
+            constexpr int kStep = input_step(R);
+            for (int i = i0; i < i1; i += kStep) {
+                VF wi[kStep];
+                for (int s = 0; s < kStep; ++s) wi[s] = w[i + s];
                 for (int r = 0; r < R; ++r)
-                    for (int s = 0; s < kInputStep; ++s) part[r] = vfmadd(wi[s], vset1(xb[r * kBlock + i + s]), part[r]);
+                    for (int s = 0; s < kStep; ++s) part[r] = vfmadd(wi[s], vset1(xb[r * kBlock + i + s]), part[r]);
             }
         };
         if (halves) {
