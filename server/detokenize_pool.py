@@ -132,10 +132,9 @@ class DetokenizePool:
         self._init = (tokenizer_json, vocab_size)
         self.workers = workers
         self._idle: queue.Queue[WorkerProcess] = queue.Queue()
-        self._count = 0  # started and not dead
         self._lock = threading.Lock()
         self._closed = False
-        self._all: list[WorkerProcess] = []
+        self._all: list[WorkerProcess] = []  # started and not dead: at most `workers`
 
     def run(self, job: Job) -> Answer:
         """Blocks (call it from a worker thread) until a worker has answered `job`. A worker found dead (killed
@@ -161,10 +160,9 @@ class DetokenizePool:
 
     def _spawn(self) -> WorkerProcess | None:
         with self._lock:
-            if self._closed or self._count >= self.workers:
+            if self._closed or len(self._all) >= self.workers:
                 return None
             worker = WorkerProcess("server.detokenize_pool", "worker_main", nice=NICE)
-            self._count += 1
             self._all.append(worker)
         worker.conn.send(self._init)  # waits in the socket until the worker has started
         return worker
@@ -184,7 +182,6 @@ class DetokenizePool:
             return
         worker.kill()
         with self._lock:
-            self._count -= 1
             self._all.remove(worker)
 
     def close(self) -> None:
