@@ -67,10 +67,10 @@ class SpeculativeConfig:
         for name in sorted(known - {"method", "draft_beside_prefill", "min_draft_acceptance"}):
             if name in values and (not isinstance(values[name], int) or isinstance(values[name], bool)):
                 raise ValueError(f"{name} must be an integer, got {values[name]!r}")
-        floor = values.get("min_draft_acceptance", 0.3)
-        if not isinstance(floor, (int, float)) or isinstance(floor, bool):
-            raise ValueError(f"min_draft_acceptance must be a number, got {floor!r}")
         if "min_draft_acceptance" in values:
+            floor = values["min_draft_acceptance"]
+            if not isinstance(floor, (int, float)) or isinstance(floor, bool):
+                raise ValueError(f"min_draft_acceptance must be a number, got {floor!r}")
             values["min_draft_acceptance"] = float(floor)
         if not isinstance(values.get("draft_beside_prefill", False), bool):
             raise ValueError(
