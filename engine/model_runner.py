@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,8 +153,16 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         return max(0, int(free * CUDA_KV_FRACTION) - CUDA_HEADROOM_BYTES)
 
+    @property
+    def yields_between_layers(self) -> bool:
+        """Whether `execute` calls a `between_layers` hook between decoder layers (on CPU; on CUDA the
+        forward is queued ahead of the host, so a pause between layers would only stall the device)."""
+        return self.device.type == "cpu"
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None) -> RunnerOutput:
+        """Runs one step. `between_layers`: called between two decoder layers of the forward (CPU only; see
+        `ForwardContext.between_layers`), for the engine's express steps (engine.express)."""
         if out.block_copies:
             self.kv_store.copy_blocks(out.block_copies)
         errors = {r.request_id: why for r in out.scheduled if (why := self._invalid(r)) is not None}
@@ -163,8 +172,9 @@ class ModelRunner:
         step = self._prepare(reqs)
         adapters = self.lora.step(reqs) if self.lora is not None else contextlib.nullcontext()
         # Grammar masks are filled on their own thread while the forward runs (engine.grammar_masks).
+        hook = between_layers if self.yields_between_layers else None
         with self.grammar_masks.filling(step.sampling) as masks, adapters:
-            result = self._sample(step, self._run(step), masks)
+            result = self._sample(step, self._run(step, hook), masks)
         result.errors.update(errors)
         return result
 
@@ -215,7 +225,7 @@ class ModelRunner:
         sampling, drafted = sampling_rows(reqs)
         return _Step(dev[:t], dev[t : 2 * t], meta, dev[3 * t :], sampling, prompt_spans, drafted)
 
-    def _run(self, step: _Step) -> torch.Tensor:
+    def _run(self, step: _Step, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """The model over the step: [sampling rows + prompt-logprob rows, vocab] float32 logits."""
         ctx = ForwardContext.for_step(
             self.attn_backend,
@@ -225,6 +235,7 @@ class ModelRunner:
             self.kv_store.v_caches,
             step.logits_indices,
             self.layer_stack,
+            between_layers,
         )
         return self.model(step.input_ids, ctx)
 

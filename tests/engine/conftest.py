@@ -118,9 +118,11 @@ class Paged:
     def table_for(self, num_tokens: int) -> list[int]:
         return self.alloc(-(-num_tokens // self.block_size))
 
-    def step(self, batch: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
+    def step(
+        self, batch: list[tuple[list[int], int, list[int]]], between_layers: Callable[[], None] | None = None
+    ) -> list[torch.Tensor]:
         """batch: (new token ids, num already computed, block table) per request -> logits of every new
-        token, per request."""
+        token, per request. `between_layers`: the context's hook, called between two layers."""
         ids = [t for new, _, _ in batch for t in new]
         pos = [p for new, start, _ in batch for p in range(start, start + len(new))]
         meta = self._build(
@@ -132,7 +134,9 @@ class Paged:
         )
         dev = torch.tensor([ids, pos], dtype=torch.int64).to(self.device)
         rows = torch.arange(len(ids), device=self.device)
-        ctx = self._context.for_step(self.backend, meta, dev[1], self.k, self.v, rows, self.stack)
+        ctx = self._context.for_step(
+            self.backend, meta, dev[1], self.k, self.v, rows, self.stack, between_layers
+        )
         logits = self.model(dev[0], ctx)
         return list(logits.split([len(n) for n, _, _ in batch]))
 

@@ -86,6 +86,43 @@ def test_the_stack_gives_the_bits_of_the_layers_run_from_python(tiny_model, page
     assert not torch.equal(with_stack[0], with_stack[1][: with_stack[0].shape[0]])  # not a constant
 
 
+@pytest.mark.parametrize("use_stack", [True, False], ids=["stack", "python"])
+def test_a_step_run_between_two_layers_changes_no_bit_of_either(tiny_model, paged, use_stack):
+    """The engine's express steps (engine.express) run inside another step's forward, between two of its
+    layers: the outer step's results must be those of the same step run straight through, and the inner
+    step's those of it run alone, with the stack (one call per layer, re-entered) and from Python."""
+    kernels = _kernels()
+    model = _quantized_tiny(tiny_model, torch.float32, kernels)
+    stack = NativeStack.build(model, NativeBackend(kernels))[0] if use_stack else None
+    assert stack is not None or not use_stack
+    outer_tokens = [(7 * i + 1) % 128 for i in range(24)]
+    inner_tokens = [(3 * i + 5) % 128 for i in range(9)]
+
+    def runs() -> tuple[paged, paged]:
+        outer = paged(model, block_size=16, backend=NativeBackend(kernels), stack=stack)
+        inner = paged(model, block_size=16, backend=NativeBackend(kernels), stack=stack, seed=1)
+        return outer, inner
+
+    outer, inner = runs()
+    straight = outer.step([(outer_tokens, 0, outer.table_for(24))])
+    alone = inner.step([(inner_tokens, 0, inner.table_for(9))])
+    outer, inner = runs()
+    inner_table = inner.table_for(9)
+    nested: list[list[torch.Tensor]] = []
+    calls = []
+
+    def hook() -> None:
+        calls.append(len(calls))
+        if len(calls) == 1:  # one inner step, at the first pause; the later pauses only count
+            nested.append(inner.step([(inner_tokens, 0, inner_table)]))
+
+    interrupted = outer.step([(outer_tokens, 0, outer.table_for(24))], hook)
+    assert len(calls) == model.cfg.num_layers - 1  # between every two layers, never before or after
+    assert torch.equal(interrupted[0], straight[0]), isa_summary()
+    assert torch.equal(nested[0][0], alone[0]), isa_summary()
+    assert not torch.equal(straight[0][:9], alone[0])  # two different steps, not a constant
+
+
 def test_the_stack_steps_aside_where_a_piece_has_no_kernel(tiny_model, caplog):
     kernels = _kernels()
     from engine.config import EngineConfig

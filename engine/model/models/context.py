@@ -7,7 +7,7 @@ cos/sin from `positions` and hands them to its layers beside the context.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +36,10 @@ class ForwardContext:
     v_caches: Sequence[torch.Tensor]
     logits_indices: torch.Tensor  # [N]: rows whose next-token logits are wanted
     layer_stack: LayerStack | None = None  # runs the layers instead of the Python loop, where it can
+    # Called between two decoder layers (never before the first or after the last), on the step's thread: the
+    # engine runs a short step of other requests there (engine.express). It must not touch this step's
+    # requests, blocks or buffers; the layers' results do not depend on it.
+    between_layers: Callable[[], None] | None = None
 
     @classmethod
     def for_step(
@@ -47,9 +51,18 @@ class ForwardContext:
         v_caches: Sequence[torch.Tensor],
         logits_indices: torch.Tensor,
         layer_stack: LayerStack | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> ForwardContext:
         """The context of one step: plans the attention once for all layers."""
         plan = backend.plan(meta)
         return cls(
-            positions, backend, plan, meta.slot_mapping, k_caches, v_caches, logits_indices, layer_stack
+            positions,
+            backend,
+            plan,
+            meta.slot_mapping,
+            k_caches,
+            v_caches,
+            logits_indices,
+            layer_stack,
+            between_layers,
         )

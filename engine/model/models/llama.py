@@ -225,7 +225,10 @@ class LlamaForCausalLM(nn.Module):
         if normed is not None:  # every row's final norm (a row's norm is computed alone: same bits)
             h = normed.index_select(0, ctx.logits_indices)
         else:
-            for layer in self.layers:
+            hook = ctx.between_layers
+            for i, layer in enumerate(self.layers):
+                if i and hook is not None:
+                    hook()
                 h = layer(h, rope, ctx)
             # Only the rows that sample (or ask for prompt logprobs) go through the norm and the vocab matmul.
             h = self.norm.norm(h.index_select(0, ctx.logits_indices))

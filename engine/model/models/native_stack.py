@@ -10,7 +10,9 @@ stays for everything else (CUDA, float16, Qwen3's q/k norms, dense linears, othe
 builds one only where the architecture declares `native_stack` (models.registry), since the stack runs Llama's
 layer as written here and would skip any change a variant makes in Python. `run()` replaces the layer loop of
 `LlamaForCausalLM.forward` (the runner hands it over in the step's ForwardContext) and returns the final norm
-of every row.
+of every row. Where the context carries `between_layers`, the layers run one call per layer with the hook
+called between them (the same kernels in the same order: the same bits); the hook may run another step's
+`run()` meanwhile, so each call builds its own argument record and scratch.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class _Args(ctypes.Structure):
         ("causal", _I64),
         *((name, _P) for name in ("qkv", "q", "o", "attn", "gate_up", "act", "mlp")),
         ("threads", _I64),
+        ("first_layer", _I64),
+        ("end_layer", _I64),
     ]
 
 
@@ -178,7 +182,7 @@ class NativeStack:
         widths = (self.hidden, qkv_n, q_size, q_size, self.hidden, 2 * inter, inter, self.hidden)
         scratch = torch.empty(t * sum(widths), dtype=self.dtype)
         x, qkv, q, o, attn, gate_up, act, mlp = scratch.split([t * w for w in widths])
-        a = self.args
+        a = _Args.from_buffer_copy(self.args)  # this call's own: a step run by the hook sets its own
         a.block_size = k_caches[0].shape[1]
         a.tokens = t
         a.h, a.x, a.cos, a.sin, a.slots = (
@@ -193,7 +197,16 @@ class NativeStack:
         a.qkv, a.q, a.o, a.attn = qkv.data_ptr(), q.data_ptr(), o.data_ptr(), attn.data_ptr()
         a.gate_up, a.act, a.mlp = gate_up.data_ptr(), act.data_ptr(), mlp.data_ptr()
         a.threads = torch.get_num_threads()
-        rc = self.fn(ctypes.byref(a))
-        if rc:
-            raise RuntimeError(f"the native decoder stack refused layer {rc - 1}'s arguments")
+        num_layers = len(self.layers)
+        hook = ctx.between_layers
+        for first in range(num_layers) if hook is not None else (0,):
+            if first:
+                hook()
+            a.first_layer, a.end_layer = first, first + 1 if hook is not None else num_layers
+            rc = self.fn(ctypes.byref(a))
+            if rc:
+                where = (
+                    f"layer {rc - 1}'s arguments" if rc > 0 else f"the layer range [{first}, {a.end_layer})"
+                )
+                raise RuntimeError(f"the native decoder stack refused {where}")
         return x.view(t, self.hidden)

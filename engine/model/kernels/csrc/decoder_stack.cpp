@@ -79,6 +79,10 @@ struct Args {
     // scratch, model dtype: [T, qkv width], [T, heads * head_dim] twice, [T, hidden], [T, 2 I], [T, I], [T, hidden]
     void *qkv, *q, *o, *attn, *gate_up, *act, *mlp;
     int64_t threads;
+    // the layers of this call: [first_layer, end_layer). A step may run its layers in several calls (so that the
+    // engine can run another, short step between two of them); h and x carry the state from one call to the
+    // next: x holds the next layer's input norm, as this loop leaves it after each layer.
+    int64_t first_layer, end_layer;
 };
 
 int linear(const Args& a, const Linear& w, int64_t n, int64_t k, const void* x, void* out) {
@@ -100,10 +104,10 @@ int linear(const Args& a, const Linear& w, int64_t n, int64_t k, const void* x, 
 
 extern "C" {
 
-int brine_decoder_stack_abi() { return 2; }
+int brine_decoder_stack_abi() { return 3; }
 
 // Returns 0, or 1 + the index of the layer whose kernel refused its arguments (what it wrote up to there is
-// garbage then).
+// garbage then); -1 for a layer range outside [0, num_layers].
 int brine_decoder_stack(const Args* args) {
     const Args& a = *args;
     const int dt = static_cast<int>(a.dtype), th = static_cast<int>(a.threads);
@@ -111,9 +115,11 @@ int brine_decoder_stack(const Args* args) {
     const float eps = static_cast<float>(a.eps);
     const int64_t t = a.tokens, hidden = a.hidden, inter = a.intermediate;
     const int64_t q_size = a.heads * a.head_dim, qkv_n = q_size + 2 * a.kv_heads * a.head_dim;
-    if (t > 0 && brine_add_rms_norm(dt, a.h, nullptr, nullptr, a.layers[0].input_norm, a.x, t, hidden, eps, th))
+    if (a.first_layer < 0 || a.first_layer > a.end_layer || a.end_layer > a.num_layers) return -1;
+    if (a.first_layer == 0 && t > 0 &&
+        brine_add_rms_norm(dt, a.h, nullptr, nullptr, a.layers[0].input_norm, a.x, t, hidden, eps, th))
         return 1;
-    for (int64_t i = 0; i < a.num_layers && t > 0; ++i) {
+    for (int64_t i = a.first_layer; i < a.end_layer && t > 0; ++i) {
         const Layer& l = a.layers[i];
         const void* next_norm = i + 1 < a.num_layers ? a.layers[i + 1].input_norm : a.final_norm;
         int rc = linear(a, l.qkv, qkv_n, hidden, a.x, a.qkv);
