@@ -1,8 +1,9 @@
 """A flood under one cache salt against another salt's time to first token (issue 28, section 4).
 
-Starts `brine serve` (keyless, loopback, the default model), measures a victim's TTFT under salt "b" while
-idle, then while another process keeps `--streams` streams running under salt "a", and prints both medians
-and their ratio. Figures only: nothing is asserted (these machines are noisy).
+Starts `brine serve` (keyless, loopback, the default model), measures a victim's TTFT and inter-token latency
+(the median gap between its 16 streamed tokens) under salt "b" while idle, then while another process keeps
+`--streams` streams running under salt "a", and prints both medians and their ratios. Figures only: nothing
+is asserted (these machines are noisy). `--server-arg=--no-express-lane` measures without the express lane.
 
     python -m benchmarks.salt_flood_bench [--streams 80] [--samples 5] [--tree DIR] [--flood-client raw]
 
@@ -88,24 +89,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def victim_ttft(base: str, model: str, client: httpx.Client | None = None) -> float:
-    """Seconds from sending the victim's request to its first text chunk; `client`: reuse it (else a fresh
-    one, as `httpx.stream` makes)."""
-    body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
-    body["cache_salt"] = "b"
+VICTIM_TOKENS = 16
+
+
+def victim_ttft(base: str, model: str, client: httpx.Client | None = None) -> tuple[float, float]:
+    """(seconds from sending the victim's request to its first text chunk, the median gap between its later
+    chunks: its inter-token latency); `client`: reuse it (else a fresh one, as `httpx.stream` makes)."""
+    body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": VICTIM_TOKENS, "temperature": 0}
+    body.update(stream=True, ignore_eos=True, cache_salt="b")
     start = time.perf_counter()
+    times: list[float] = []
     opener = client.stream if client is not None else httpx.stream
     with opener("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and '"text"' in line:
-                return time.perf_counter() - start
-    raise RuntimeError("the victim got no token")
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError("the victim got fewer than two tokens")
+    return times[0] - start, statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
 
 
 def running_requests(base: str) -> float:
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
         if line.startswith("brine_num_requests_running") or line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return -1.0
+
+
+def generated_tokens(base: str) -> float:
+    """The server's generated-token counter (every stream's, the victim's few included)."""
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("brine_generation_tokens_total"):
             return float(line.rsplit(" ", 1)[1])
     return -1.0
 
@@ -175,7 +190,7 @@ def main() -> None:
         client = httpx.Client()
         victim_ttft(base, model)  # warm-up
         victim_ttft(base, model, client)
-        idle: dict[str, list[float]] = {"fresh": [], "reused": []}
+        idle: dict[str, list[tuple[float, float]]] = {"fresh": [], "reused": []}
         for _ in range(args.samples):
             idle["fresh"].append(victim_ttft(base, model))
             idle["reused"].append(victim_ttft(base, model, client))
@@ -186,13 +201,15 @@ def main() -> None:
         )
         time.sleep(15)  # the flood's streams admitted and decoding
         before, t0 = cpu_snapshot(server.pid, flood.pid), time.monotonic()
-        busy: dict[str, list[float]] = {"fresh": [], "reused": []}
+        tokens0 = generated_tokens(base)
+        busy: dict[str, list[tuple[float, float]]] = {"fresh": [], "reused": []}
         for _ in range(args.samples):
             busy["fresh"].append(victim_ttft(base, model))
             time.sleep(0.5)
             busy["reused"].append(victim_ttft(base, model, client))
             time.sleep(0.5)
         after, elapsed = cpu_snapshot(server.pid, flood.pid), time.monotonic() - t0
+        tokens_per_s = (generated_tokens(base) - tokens0) / elapsed
         report: dict[str, object] = {
             "tree": str(args.tree),
             "streams": args.streams,
@@ -201,15 +218,19 @@ def main() -> None:
             "running_at_end": running_requests(base),
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "cpu_cores_while_flooded": {k: round((after[k] - before[k]) / elapsed, 2) for k in after},
+            # The flood's cost of the victims beside it: tokens per second while they come and go.
+            "flooded_tokens_per_s": round(tokens_per_s, 1),
         }
         for kind in ("fresh", "reused"):
-            report[kind] = {
-                "idle_ttft_ms": [round(t * 1e3, 1) for t in idle[kind]],
-                "flooded_ttft_ms": [round(t * 1e3, 1) for t in busy[kind]],
-                "idle_median_ms": median_ms(idle[kind]),
-                "flooded_median_ms": median_ms(busy[kind]),
-                "ratio": round(statistics.median(busy[kind]) / statistics.median(idle[kind]), 2),
-            }
+            for i, name in enumerate(("ttft", "itl")):
+                quiet, flooded = [x[i] for x in idle[kind]], [x[i] for x in busy[kind]]
+                report[f"{kind}_{name}"] = {
+                    "idle_ms": [round(t * 1e3, 1) for t in quiet],
+                    "flooded_ms": [round(t * 1e3, 1) for t in flooded],
+                    "idle_median_ms": median_ms(quiet),
+                    "flooded_median_ms": median_ms(flooded),
+                    "ratio": round(statistics.median(flooded) / statistics.median(quiet), 2),
+                }
         print(json.dumps(report, indent=2))
     finally:
         if flood is not None:

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,6 +84,14 @@ class _Stop:
 _Command = _Add | _Abort | _Stop
 
 
+@dataclass(slots=True)
+class _Pause:
+    """The step thread's side of a pause in a step (engine.express.Interjection)."""
+
+    poll: Callable[[], None]
+    emit: Callable[[list[RequestOutput]], None]
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -123,6 +131,8 @@ class AsyncEngine:
         self.block_size = core.block_size
         self.loras = core.loras  # thread-safe: the server lists, loads and unloads adapters through it
         self._inbox: queue.Queue[_Command] = queue.Queue()
+        self._held: list[_Command] = []  # taken from the inbox during a step, applied after it (_poll_adds)
+        self._pause = _Pause(self._poll_adds, self._dispatch)
         self._streams: dict[str, _Stream] = {}  # callers' registry: ids in use, streams to fail on death
         self._streams_lock = threading.Lock()
         self._live: dict[str, _Stream] = {}  # the step thread's own: requests in the core -> their stream
@@ -344,7 +354,9 @@ class AsyncEngine:
             set_torch_threads(self._threads)  # every op of every step runs on this thread
             while True:
                 # Block only when idle; while busy, take whatever arrived since the last step.
-                commands = [self._inbox.get()] if not self._core.has_work() else []
+                commands, self._held = self._held, []
+                if not commands and not self._core.has_work():
+                    commands.append(self._inbox.get())
                 while True:
                     try:
                         commands.append(self._inbox.get_nowait())
@@ -356,11 +368,25 @@ class AsyncEngine:
                     for cmd in commands:  # in order: an abort's last output before a new request by its id
                         if not isinstance(cmd, _Stop):
                             self._dispatch(self._apply(cmd))
-                    outputs = self._core.step() if self._core.has_work() else []
+                    outputs = self._core.step(self._pause) if self._core.has_work() else []
                 self._dispatch(outputs)
         except BaseException as exc:  # fatal: the runner (or the engine itself) broke
             logger.exception("engine step failed; the engine is dead")
             self._fail_all(f"engine error: {exc!r}")
+
+    def _poll_adds(self) -> None:
+        """At a pause in a step (engine.express): adds the requests that arrived since the step began, in
+        order, up to the first other command: that one (an abort may free blocks the step in flight writes)
+        and all after it wait for the step's end."""
+        while not self._held:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self._dispatch(self._apply(cmd))
+            else:
+                self._held.append(cmd)
 
     def _apply(self, cmd: _Add | _Abort) -> list[RequestOutput]:
         if isinstance(cmd, _Abort):

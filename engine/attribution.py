@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, cast
 
 from engine.outputs import RunnerOutput, SchedulerOutput
 
@@ -24,10 +25,23 @@ class Executes(Protocol):
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
 
-def execute_attributing(runner: Executes, out: SchedulerOutput) -> RunnerOutput:
+class Pauses(Protocol):
+    """A runner that calls a hook between two decoder layers (model_runner.ModelRunner on CPU)."""
+
+    def execute(
+        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> RunnerOutput: ...
+
+
+def execute_attributing(
+    runner: Executes, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
+) -> RunnerOutput:
     """`runner.execute(out)`; on an exception with several requests scheduled, the solo reruns above. Raises
-    the step's own exception when the fault cannot be attributed."""
+    the step's own exception when the fault cannot be attributed. `between_layers`: handed to the first run
+    only (the runner must be one that `Pauses`); the solo reruns never pause."""
     try:
+        if between_layers is not None:
+            return cast(Pauses, runner).execute(out, between_layers)
         return runner.execute(out)
     except Exception as batch_error:
         if len(out.scheduled) < 2:

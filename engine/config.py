@@ -4,7 +4,7 @@ or by a test or benchmark) and passed whole to the components, each of which rea
 - `ModelRunner`: model, device, dtype, block_size, kv_cache_memory, num_blocks, max_num_batched_tokens,
   max_num_seqs (to size attention buffers), batch_invariant, quantization, enforce_eager, and the LoRA
   fields (enable_lora, lora_modules, max_loras, max_lora_rank: engine.lora.manager.LoRAManager.from_config);
-- `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, stat_loggers, the KV tiers
+- `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, express_lane, stat_loggers, the KV tiers
   (kv_host_memory, kv_disk_dir, kv_disk_size, kv_disk_key_file) and max_retained_fraction;
 - `Scheduler`: max_num_seqs, max_num_batched_tokens, max_model_len, speculative_config;
 - `AsyncEngine.from_config`: served_model_name, kv_events_endpoint, threads, and the grammar engine's
@@ -38,6 +38,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's
+    # Express passes between the layers of a long step for owners running few sequences (engine.express).
+    express_lane: bool = True
     batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
     quantization: str = "auto"  # auto: a GGUF's Q4_1/Q8_0 run as stored (quant_linear); none: dequantized
     enforce_eager: bool = (

@@ -6,6 +6,9 @@ applied to the scheduler (`Scheduler.finish`: blocks freed) -> stats to every st
 the output processor never calls the scheduler, the engine hands its stops on. The core knows nothing of threads or asyncio (`AsyncEngine` drives it from one thread), so tests
 drive it directly with a fake runner.
 
+Express passes (engine.express): a main step may pause between two layers of its forward, and the core
+runs a short step of other requests there (`step(between=...)`), whose outputs go to their callers at once.
+
 Failure rules: an exception while handling one request (adding it, its tokens, its text) fails that request
 only, with an error output, and so does a runner failure that one request is to blame for
 (`engine.attribution`); any other exception from the runner propagates: the caller treats it as fatal.
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine.attribution import execute_attributing
 from engine.config import EngineConfig
 from engine.errors import PromptTokenError
+from engine.express import EXPRESS_MIN_STEP_TOKENS, ExpressPacer, Interjection
 from engine.output_processor import OutputProcessor, Processed, error_output
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from engine.request import Origin, Request, RequestStatus
@@ -104,6 +108,16 @@ class EngineCore:
             self.kv_manager.attach_tiers(self.tiers)
         self.kv_event_sink = kv_event_sink
         self.scheduler = Scheduler(self.kv_manager, config, eos_token_ids=tokenizer.eos_token_ids)
+        # The express lane (engine.express), where the runner pauses between layers; not with LoRA (the
+        # adapters' row groups are the step's own state) nor KV tiers (the tiers' writer takes a step's blocks
+        # when it ends, and would take the blocks of a pass made inside it before that step computed them).
+        self.scheduler.express_enabled = (
+            config.express_lane
+            and bool(getattr(runner, "yields_between_layers", False))
+            and getattr(runner, "lora", None) is None
+            and self.tiers is None
+        )
+        self._pacer = ExpressPacer()
         self.max_model_len = self.scheduler.max_model_len
         self.num_blocks = runner.num_blocks  # the KV pool's size, in blocks of block_size tokens
         self.block_size = runner.block_size
@@ -283,18 +297,54 @@ class EngineCore:
             self.tiers.submit_writes(self.kv_manager.take_writes())
             self.tiers.close()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, between: Interjection | None = None) -> list[RequestOutput]:
+        """One main step (and express passes, engine.express). `between`: the driver's side of a pause in the
+        step (new requests in, express outputs out at once); None: no pause, and the express outputs of the
+        pass after the step come with the step's."""
         if self.tiers is not None:
             self._pump_tiers()
         sched_out = self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.submit_loads(self.kv_manager.take_loads())
+        hook = None
+        served = [False]
+        if between is not None and self.scheduler.express_enabled:
+            if sched_out.num_batched_tokens >= EXPRESS_MIN_STEP_TOKENS:
+                in_flight = self.kv_manager.last_pass_cached  # the main step writes them: never hit
+
+                def hook() -> None:
+                    if self._pacer.due():
+                        between.poll()
+                        outputs = self._express_pass(in_flight)
+                        served[0] = served[0] or bool(outputs)
+                        between.emit(outputs)
+
+        outputs = self._run(sched_out, hook)
+        if self.scheduler.has_express() and (not served[0] or self._pacer.due()):
+            outputs += self._express_pass(frozenset())  # held out of the step: their token now
+        return outputs
+
+    def _express_pass(self, in_flight: frozenset[int]) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule_express(in_flight)
+        if sched_out is None:
+            return []
+        with self._pacer.timing():
+            return self._run(sched_out)
+
+    def _run(
+        self, sched_out: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> list[RequestOutput]:
+        """Runs a scheduled step and applies its results: the outputs of its requests."""
         now = time.monotonic()
         for sr in sched_out.scheduled:
             req = self.scheduler.requests[sr.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        result = execute_attributing(self.runner, sched_out) if sched_out.scheduled else RunnerOutput({})
+        result = (
+            execute_attributing(self.runner, sched_out, between_layers)
+            if sched_out.scheduled
+            else RunnerOutput({})
+        )
         if self.tiers is not None:
             # The step computed the blocks its pass cached: copy them out (off this thread).
             self.tiers.submit_writes(self.kv_manager.take_writes(result.errors))

@@ -24,19 +24,30 @@ A single-sequence request is never above its share, so this never preempts plain
   64 decodes beside it, and the decodes lose one step's fixed cost. Never twice in a row, so under a stream of
   new owners (salts rotated on purpose) the running sequences still advance at least every other step.
 
+The express lane: a step of many rows takes tens of milliseconds on a CPU (seconds for a long prefill), and
+a request that arrives meanwhile would wait for all of it. Where the engine's runner pauses between two
+decoder layers (`express_enabled`), a request of an owner that runs nothing gets its first chunk in an express
+pass made during such a pause (`schedule_express`), and the decodes of owners running only a few sequences
+(at most `EXPRESS_MAX_SEQS_PER_OWNER`, `EXPRESS_MAX_ROWS` in all, beside at least `PREFILL_STEP_MIN_RUNNING`
+others) are held out of the main step for those passes: another salt's short request beside a flood gets
+its tokens at the pace of its own small steps, not the flood's. An express pass never preempts, never touches
+a request of the step in flight, never hits a block that step is still writing, and may run up to
+`EXPRESS_MAX_ROWS` sequences past `max_num_seqs` until the next main pass preempts the excess.
+
 When the KV cache runs out, a running request is preempted: its blocks are freed and it goes back to the
 front of its owner's queue (and its owner to the front of the turn order) to be recomputed later (its own
 blocks, still hashed in the free queue, will usually hit). Nothing is failed for lack of blocks; requests that
 could never fit are refused by `check_request` before they get here.
 
-Rules for callers: `schedule()` and `update()` alternate, one `update` per `schedule`; requests are finished
-from outside only between the two (`finish_requests`), which frees their blocks at once.
+Rules for callers: `schedule()` and `update()` alternate, one `update` per `schedule`; an express pass
+(`schedule_express` and its own `update`) may come between the two. Requests are finished from outside only
+between a step and the next `schedule()` (`finish_requests`), which frees their blocks at once.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -51,6 +62,13 @@ from metrics.stats import SpecDecodingStats
 # Running sequences from which a new owner's prefill gets a step of its own. Below it the batch's own cost is
 # small beside a step's fixed cost (weights read once), so splitting would slow everyone for little.
 PREFILL_STEP_MIN_RUNNING = 16
+# The express lane (module docstring). An owner with at most this many running sequences is "small"; at most
+# EXPRESS_MAX_ROWS sequences are held out of a main step (more small owners than that: all run in the main
+# step, so that rotating salts on purpose buys no express service), and an express pass computes at most
+# EXPRESS_MAX_TOKENS tokens (a long new prompt gets its first chunk there, the rest in main steps).
+EXPRESS_MAX_SEQS_PER_OWNER = 4
+EXPRESS_MAX_ROWS = 8
+EXPRESS_MAX_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -98,6 +116,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since the last take_num_preemptions()
         self._last_split = False  # the last step was a prefill step of its own (below): the next one is not
+        # The express lane (module docstring): on only where the engine runs express passes.
+        self.express_enabled = False
+        self._express: dict[str, None] = {}  # ids held out of the main step in flight (an ordered set)
+        self._express_refused: set[str] = set()  # no KV room in an express pass: in the next main step
         # A request finished since the last schedule() (an abort between steps, a stop string): the engine
         # steps once more, so that the stat loggers see the freed blocks and the finished request.
         self._finished_since_schedule = False
@@ -146,6 +168,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         cut: list[int] = []  # indexes into `scheduled` of prefill chunks cut at their owner's share
         preempted = False
+        self._express = {}
         split, self._last_split = self._last_split, False
         if not split and len(self.running) >= PREFILL_STEP_MIN_RUNNING:
             fresh = {owner for owner in self.waiting.owners() if not self._num_running[owner]}
@@ -160,9 +183,13 @@ class Scheduler:
                     )
         if self.spec is not None:
             self.spec.begin_step(self.running, len(self.waiting), self.requests)
+        self._express = express = self._pick_express()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in express:  # decoded by the express passes made during this step
+                i += 1
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             # A decode (one token) is never cut: it is cheap, and cutting it would stall the sequence.
             num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
@@ -222,19 +249,96 @@ class Scheduler:
             num_new = min(remaining, budget, max(1, token_share - given[req.owner]))
             if self.kv_manager.allocate_slots(req, num_new, hit) is None:
                 break  # the head waits for blocks rather than letting smaller requests jump ahead
-            self.waiting.pop(req)
-            req.num_computed_tokens = hit.num_tokens
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit.num_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._num_running[req.owner] += 1
+            self._start(req, hit.num_tokens)
             if num_new < min(remaining, budget):
                 cut.append(len(scheduled))
             scheduled.append(self._scheduled(req, num_new))
             given[req.owner] += num_new
             budget -= num_new
         return budget
+
+    def _start(self, req: Request, num_hit_tokens: int) -> None:
+        """A waiting request, its blocks allocated, joins the running ones."""
+        self.waiting.pop(req)
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._num_running[req.owner] += 1
+
+    # ---- the express lane ------------------------------------------------------------------------------
+
+    def _pick_express(self) -> dict[str, None]:
+        """The decodes to hold out of the main step being planned (module docstring), as an ordered set."""
+        refused, self._express_refused = self._express_refused, set()
+        if not self.express_enabled or len(self.running) < PREFILL_STEP_MIN_RUNNING:
+            return {}
+        small = [
+            r.request_id
+            for r in self.running
+            if self._num_running[r.owner] <= EXPRESS_MAX_SEQS_PER_OWNER
+            and r.num_tokens - r.num_computed_tokens == 1
+            and r.request_id not in refused
+        ]
+        if not small or len(small) > EXPRESS_MAX_ROWS:
+            return {}
+        if len(self.running) - len(small) < PREFILL_STEP_MIN_RUNNING:
+            return {}  # the main step is short anyway: no pause is worth its cost
+        return dict.fromkeys(small)
+
+    def schedule_express(self, in_flight: Collection[int]) -> SchedulerOutput | None:
+        """An express pass, made while the main step runs (between two of its layers) or right after it: one
+        decode for each request held out of the main step, then the first chunk of owners that run nothing
+        (arrived since). None when there is nothing to run. `in_flight`: the blocks the main step writes
+        (`KVCacheManager.last_pass_cached` of its pass), never hit here. Never preempts and never touches a
+        request of the main step; one `update` follows it, as for `schedule`."""
+        scheduled: list[ScheduledRequest] = []
+        budget = EXPRESS_MAX_TOKENS
+        for rid in list(self._express):
+            req = self.requests.get(rid)
+            if (
+                req is None
+                or req.status is not RequestStatus.RUNNING
+                or req.num_tokens - req.num_computed_tokens != 1
+            ):
+                del self._express[rid]  # finished, preempted, or not decoding
+                continue
+            if self.kv_manager.allocate_slots(req, 1) is None:
+                del self._express[rid]  # no room: the next main step, which may preempt, takes it
+                self._express_refused.add(rid)
+                continue
+            scheduled.append(self._scheduled(req, 1))
+            budget -= 1
+        fresh = {owner for owner in self.waiting.owners() if not self._num_running[owner]}
+        while (
+            fresh
+            and budget > 0
+            and len(scheduled) < EXPRESS_MAX_ROWS
+            and len(self.running) < self.max_num_seqs + EXPRESS_MAX_ROWS
+        ):
+            req = self._next_to_admit(self.max_num_seqs, fresh)
+            if req is None:
+                break
+            hit = self.kv_manager.get_computed_blocks(req, in_flight)
+            if hit.load:
+                break  # tier loads start in a main pass
+            num_new = min(req.num_tokens - hit.num_tokens, budget)
+            if self.kv_manager.allocate_slots(req, num_new, hit) is None:
+                break
+            self._start(req, hit.num_tokens)
+            scheduled.append(sr := self._scheduled(req, num_new))
+            if sr.sample:  # its decodes go on in the later express passes of the same main step
+                self._express[req.request_id] = None
+            budget -= num_new
+        if not scheduled:
+            return None
+        self._finished_since_schedule = False
+        return SchedulerOutput(scheduled, EXPRESS_MAX_TOKENS - budget, self.kv_manager.end_pass())
+
+    def has_express(self) -> bool:
+        """Whether requests are held out of the main step for express passes."""
+        return bool(self._express)
 
     # ---- fairness --------------------------------------------------------------------------------------
 
@@ -254,6 +358,11 @@ class Scheduler:
     def _make_room(self, seq_share: int, token_share: int) -> None:
         """Preempts sequences of owners above their share while an owner below its share waits and the free
         slots or KV blocks could not take its next sequence."""
+        while len(self.running) > self.max_num_seqs:  # express passes ran some past it: back within it
+            owner = max(self._num_running.items(), key=lambda kv: kv[1])[0]
+            victim = next(r for r in reversed(self.running) if r.owner == owner)
+            self.running.remove(victim)
+            self._preempt(victim)
         starved = [head for owner, head in self.waiting.heads() if self._num_running[owner] < seq_share]
         if not starved:
             return
@@ -467,7 +576,7 @@ class Scheduler:
         """For tests, after any step: the per-owner counts match `running`, and every request is in exactly
         one of running / waiting."""
         assert self._num_running == Counter(r.owner for r in self.running), "per-owner running counts drifted"
-        assert len(self.running) <= self.max_num_seqs
+        assert len(self.running) <= self.max_num_seqs + (EXPRESS_MAX_ROWS if self.express_enabled else 0)
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting] + list(self.loading)
         assert sorted(ids) == sorted(self.requests), "a request is lost or in two queues"
         assert len(self.waiting) == sum(1 for _ in self.waiting)

@@ -25,7 +25,7 @@ Every block returned by take() must be freed exactly once per reference taken (t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kv_cache.hashing import BlockHash
 from kv_cache.namespace import Owner
@@ -202,11 +202,13 @@ class BlockPool:
         if not blocks:
             del self._tails[key]
 
-    def longest_tail(self, key: BlockHash, tokens: Sequence[int], scan: int = 32) -> tuple[int, int]:
+    def longest_tail(
+        self, key: BlockHash, tokens: Sequence[int], scan: int = 32, in_flight: Collection[int] = ()
+    ) -> tuple[int, int]:
         """(block, n): a block filed under `key` whose KV holds the first n of `tokens`, the largest n among the
-        `scan` most recently filed blocks that are not fresh; (-1, 0) when none shares even the first token.
-        Bounded, since a popular prefix may have thousands of continuations: the newest are the likeliest
-        to be the same conversation again."""
+        `scan` most recently filed blocks that are neither fresh nor `in_flight` (blocks a step still being
+        computed writes); (-1, 0) when none shares even the first token. Bounded, since a popular prefix may
+        have thousands of continuations: the newest are the likeliest to be the same conversation again."""
         blocks = self._tails.get(key)
         if not blocks or not tokens:
             return -1, 0
@@ -217,7 +219,7 @@ class BlockPool:
             if i == scan:
                 break
             held = self.tail_tokens[b]
-            if not held or held[0] != first or b in fresh:
+            if not held or held[0] != first or b in fresh or b in in_flight:
                 continue
             n = 1
             for x, y in zip(held[1:], tokens[1:], strict=False):  # the shorter one bounds the run
@@ -230,10 +232,13 @@ class BlockPool:
                     break
         return best, best_n
 
-    def end_pass(self) -> None:
+    def end_pass(self) -> frozenset[int]:
         """The scheduling pass is over: the blocks it cached are computed by the step that follows it, before
-        any later pass can look them up."""
+        any later pass can look them up, except a pass made while that step runs (the engine's express passes),
+        which must skip the blocks returned here."""
+        cached = frozenset(self.fresh)
         self.fresh.clear()
+        return cached
 
     def reset(self, force: bool = False) -> bool:
         """Drop every hash; refused (False, nothing changed) while any block is in use, unless `force`: then

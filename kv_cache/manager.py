@@ -28,7 +28,7 @@ private blocks remember their owner so that forget(owner) can drop one tenant's 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kv_cache.block_pool import BlockPool
 from kv_cache.hashing import BlockHash, BlockHasher, get_hash_fn, init_none_hash
@@ -72,6 +72,7 @@ class KVCacheManager:
         self._stats = PrefixCacheStats()
         self._evictions_reported = 0
         self._copies: list[tuple[int, int]] = []  # (source, destination) for the step being planned
+        self.last_pass_cached: frozenset[int] = frozenset()  # the blocks the last pass cached (end_pass)
         self.public_prefixes = PublicPrefixes(public_prefixes)
         self.tiers: TierBridge | None = None
         self.retention = RetentionTable(
@@ -114,11 +115,14 @@ class KVCacheManager:
             none_hash=self.none_hash,
         )
 
-    def get_computed_blocks(self, request: CacheRequest) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: CacheRequest, in_flight: Collection[int] = ()
+    ) -> ComputedBlocks:
         """The longest run of cached blocks from the start of the request, then the longest run of the next
         block's tokens whose KV some block holds (the tail), capped so that at least the request's last token
         is computed (its logits are needed). Takes no references and records no stats: those are recorded by
-        the allocate_slots call that admits the request with this result."""
+        the allocate_slots call that admits the request with this result. `in_flight`: blocks whose KV a step
+        still running writes (`end_pass`'s result, for a pass made during that step): never hit."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return ComputedBlocks([], 0)
         hashes = request.block_hashes
@@ -127,7 +131,7 @@ class KVCacheManager:
         ids: list[int] = []
         for i in range(max_blocks):
             b = lookup(hashes[i])
-            if b is None:
+            if b is None or b in in_flight:
                 break
             ids.append(b)
         load = self.tiers.find(hashes[len(ids) : max_blocks]) if self.tiers is not None else []
@@ -150,7 +154,9 @@ class KVCacheManager:
             and (not hasher.namespace.keys() or len(ids) >= hasher.num_public_blocks)
         ):
             key = hasher.tail_key(hashes, len(ids))
-            block, n = self.block_pool.longest_tail(key, request.all_token_ids[start : start + want])
+            block, n = self.block_pool.longest_tail(
+                key, request.all_token_ids[start : start + want], in_flight=in_flight
+            )
             if n:
                 tail = TailHit(block, n)
         if load:
@@ -368,7 +374,8 @@ class KVCacheManager:
         """End of a scheduling pass: the (source, destination) block copies its tail hits need, which the step
         must make before it writes any KV; the blocks the pass cached become reusable as tails."""
         copies, self._copies = self._copies, []
-        self.block_pool.end_pass()
+        # A pass made while this pass's step runs must not hit these (get_computed_blocks' in_flight).
+        self.last_pass_cached = self.block_pool.end_pass()
         self.retention.expire(self.clock())
         return copies
 
