@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Protocol
 from engine.attribution import execute_attributing
 from engine.config import EngineConfig
 from engine.errors import PromptTokenError
-from engine.express import EXPRESS_MIN_STEP_TOKENS, ExpressPacer, Interjection
+from engine.express import ExpressPacer, Interjection
 from engine.output_processor import OutputProcessor, Processed, error_output
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from engine.request import Origin, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import EXPRESS_MIN_STEP_TOKENS, Scheduler
 from engine.structured_output import CompiledGrammar, grammar_states
 from kv_cache.manager import KVCacheManager
 from kv_cache.namespace import CacheNamespace, Owner

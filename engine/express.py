@@ -22,10 +22,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
 
-# A main step of fewer tokens than this runs straight through: it is short, and each pause costs a native call
-# per layer. At 16 decodes a step of the default model takes ~15-20 ms on two cores.
-EXPRESS_MIN_STEP_TOKENS = 16
-
 
 class Interjection(Protocol):
     """What the engine's driver (AsyncEngine's step thread) does for the core at a pause in a step."""

@@ -28,8 +28,9 @@ The express lane: a step of many rows takes tens of milliseconds on a CPU (secon
 a request that arrives meanwhile would wait for all of it. Where the engine's runner pauses between two
 decoder layers (`express_enabled`), a request of an owner that runs nothing gets its first chunk in an express
 pass made during such a pause (`schedule_express`), and the decodes of owners running only a few sequences
-(at most `EXPRESS_MAX_SEQS_PER_OWNER`, `EXPRESS_MAX_ROWS` in all, beside at least `PREFILL_STEP_MIN_RUNNING`
-others) are held out of the main step for those passes: another salt's short request beside a flood gets
+(at most `EXPRESS_MAX_SEQS_PER_OWNER`, `EXPRESS_MAX_ROWS` in all, where the others have at least
+`EXPRESS_MIN_STEP_TOKENS` tokens to compute: 16 decodes, a long prompt's chunk) are held out of the main step
+for those passes: another salt's short request beside a flood gets
 its tokens at the pace of its own small steps, not the flood's. An express pass never preempts, never touches
 a request of the step in flight, never hits a block that step is still writing, and may run up to
 `EXPRESS_MAX_ROWS` sequences past `max_num_seqs` until the next main pass preempts the excess.
@@ -67,6 +68,9 @@ PREFILL_STEP_MIN_RUNNING = 16
 # step, so that rotating salts on purpose buys no express service), and an express pass computes at most
 # EXPRESS_MAX_TOKENS tokens (a long new prompt gets its first chunk there, the rest in main steps).
 EXPRESS_MAX_SEQS_PER_OWNER = 4
+# A main step of fewer tokens runs straight through (no pause): it is short, and each pause costs a native call
+# per layer. 16 decodes of the default model take ~15-20 ms on two cores.
+EXPRESS_MIN_STEP_TOKENS = 16
 EXPRESS_MAX_ROWS = 8
 EXPRESS_MAX_TOKENS = 256
 
@@ -272,7 +276,7 @@ class Scheduler:
     def _pick_express(self) -> dict[str, None]:
         """The decodes to hold out of the main step being planned (module docstring), as an ordered set."""
         refused, self._express_refused = self._express_refused, set()
-        if not self.express_enabled or len(self.running) < PREFILL_STEP_MIN_RUNNING:
+        if not self.express_enabled:
             return {}
         small = [
             r.request_id
@@ -283,9 +287,11 @@ class Scheduler:
         ]
         if not small or len(small) > EXPRESS_MAX_ROWS:
             return {}
-        if len(self.running) - len(small) < PREFILL_STEP_MIN_RUNNING:
-            return {}  # the main step is short anyway: no pause is worth its cost
-        return dict.fromkeys(small)
+        held = dict.fromkeys(small)
+        # The main step's work without them: 16 decodes, or one long prefill chunk, make a step long enough
+        # to pause (EXPRESS_MIN_STEP_TOKENS); a shorter one runs straight through, with them in it.
+        rest = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.request_id not in held)
+        return held if rest >= EXPRESS_MIN_STEP_TOKENS else {}
 
     def schedule_express(self, in_flight: Collection[int]) -> SchedulerOutput | None:
         """An express pass, made while the main step runs (between two of its layers) or right after it: one

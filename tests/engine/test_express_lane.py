@@ -163,6 +163,25 @@ def test_an_express_pass_never_reads_a_block_the_step_in_flight_is_writing() -> 
     assert third.num_computed_tokens == 48
 
 
+def test_beside_a_long_prompts_chunks_a_small_owner_is_served_in_their_pauses() -> None:
+    """One request's long prefill, chunked: each chunk is a long step (seconds on a CPU for 2,048 tokens).
+    Another owner arriving during it gets its first token in a pause, and its decodes leave the chunks."""
+    runner = PausingRunner(num_blocks=512, block_size=4)
+    core = make_core(runner, max_num_seqs=64, max_num_batched_tokens=64)
+    core._pacer = ExpressPacer(clock=lambda: 0.0)
+    pause = Pause(core, runner)
+    core.add_request("long", prompt(400, start=3), params(2), origin=FLOOD)
+    pause.arrivals.append(("victim", prompt(5, start=200), params(20), VICTIM))
+    core.step(pause)
+    assert runner.log[0] == ("begin", {"long"}) and runner.log[1] == ("begin", {"victim"})
+    for _ in range(3):  # the next chunks: the long prompt alone, the victim in their pauses
+        runner.log.clear()
+        core.step(pause)
+        assert runner.log[0] == ("begin", {"long"})
+        assert ("begin", {"victim"}) in runner.log
+    run_to_completion(core)
+
+
 def test_many_small_owners_get_no_express_service() -> None:
     """Rotating salts buys nothing: past EXPRESS_MAX_ROWS small sequences, all run in the main step."""
     core, runner, pause = flooded()
