@@ -2,11 +2,13 @@
 
 An `AsyncEngine` on the default model runs `--streams` greedy 400-token streams under salt "a"; a 5-token
 victim under salt "b" arrives `--victims` times at random moments. Every engine step is timed, so each
-victim's wait splits into: the rest of the step in flight when it arrived, the gap until its own step starts
-(the inbox is read between steps), its own step, and the hand-over to its caller. Also the flood's tokens per
-second while the victims run, to weigh a change to step sizes (`--max-num-seqs`). Figures only.
+victim's wait, where it was not served in an express pass inside the step in flight (engine.express), splits
+into: the rest of the step in flight when it arrived, the gap until its own step starts (the inbox is read
+between steps), its own step, and the hand-over to its caller. Also the flood's tokens per second alone and
+while the victims run, to weigh a change to step sizes (`--max-num-seqs`) or the express lane. Figures only.
 
     python -m benchmarks.salt_flood_breakdown_bench [--streams 80] [--victims 15] [--max-num-seqs 64]
+        [--no-express-lane]
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=80)
     parser.add_argument("--victims", type=int, default=15)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--no-express-lane", action="store_true", help="as brine serve's flag")
     args = parser.parse_args()
-    engine = AsyncEngine.from_config(EngineConfig(max_num_seqs=args.max_num_seqs))
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, express_lane=not args.no_express_lane)
+    engine = AsyncEngine.from_config(config)
     core = engine._core
     steps: list[tuple[float, float]] = []
     step = core.step
@@ -53,6 +57,7 @@ def main() -> None:
 
     core.step = timed  # type: ignore[method-assign]
     flood_tokens = [0]
+    alone = [0.0]
 
     async def flood(i: int) -> None:
         params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
@@ -78,6 +83,9 @@ def main() -> None:
         tasks = [asyncio.create_task(flood(i)) for i in range(args.streams)]
         await asyncio.sleep(10)  # the flood admitted and decoding
         tokens, t0 = flood_tokens[0], time.perf_counter()
+        await asyncio.sleep(5)
+        alone[0] = (flood_tokens[0] - tokens) / (time.perf_counter() - t0)  # no victim beside it
+        tokens, t0 = flood_tokens[0], time.perf_counter()
         rows = []
         for _ in range(args.victims):
             await asyncio.sleep(random.uniform(0.05, 0.3))
@@ -92,9 +100,11 @@ def main() -> None:
         k: [] for k in ("ttft", "step_in_flight", "gap", "own_step", "hand_over")
     }
     for start, end in rows:
-        in_flight = next((s for s in steps if s[0] <= start < s[1]), None)
-        own = next(s for s in steps if s[0] >= start)
         parts["ttft"].append(end - start)
+        in_flight = next((s for s in steps if s[0] <= start < s[1]), None)
+        own = next((s for s in steps if s[0] >= start), None)
+        if own is None or own[0] > end:  # served in an express pass inside the step in flight: no parts
+            continue
         parts["step_in_flight"].append(in_flight[1] - start if in_flight else 0.0)
         parts["gap"].append(own[0] - (in_flight[1] if in_flight else start))
         parts["own_step"].append(own[1] - own[0])
@@ -104,9 +114,12 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs,
         "load_average": round(os.getloadavg()[0], 2),
         "idle_ttft_ms": round(idle_ms, 1),
-        **{f"{k}_median_ms": round(statistics.median(v) * 1e3, 1) for k, v in parts.items()},
+        **{f"{k}_median_ms": round(statistics.median(v) * 1e3, 1) for k, v in parts.items() if v},
+        "victims_served_inside_a_step": len(rows) - len(parts["own_step"]),
         "ratio": round(statistics.median(parts["ttft"]) * 1e3 / idle_ms, 2),
         "step_median_ms": round(statistics.median((e - s) * 1e3 for s, e in steps[-300:]), 1),
+        "express_lane": not args.no_express_lane,
+        "flood_alone_tokens_per_s": round(alone[0], 1),
         "flood_tokens_per_s": round(rate, 1),
     }
     print(json.dumps(report, indent=2))
