@@ -200,7 +200,7 @@ class NativeStack:
         num_layers = len(self.layers)
         hook = ctx.between_layers
         for first in range(num_layers) if hook is not None else (0,):
-            if first:
+            if first and hook is not None:
                 hook()
             a.first_layer, a.end_layer = first, first + 1 if hook is not None else num_layers
             rc = self.fn(ctypes.byref(a))
