@@ -3,7 +3,8 @@
 Each case is one request in one step over a paged cache whose blocks are handed out in random order, with the
 default model's attention shape unless told (9 query heads, 3 KV heads, head_dim 64, block size 16,
 bfloat16): a decode at a short and a long context, a warm chunk (16 new tokens over ~2,000 cached, the step
-behind a warm TTFT), fresh prefills, and decodes whose cached context comes from DRAM (see CASES). Both
+behind a warm TTFT), fresh prefills, decodes whose cached context comes from DRAM, and speculative verify
+chunks (a token and its 2, 4 or 8 drafts over 2,000 cached tokens in DRAM; see CASES). Both
 backends run alternately on the same inputs in one process and the median of `--repeats` runs is reported,
 with tiled / native (these machines are noisy: compare ratios).
 
@@ -49,6 +50,10 @@ CASES = {
     "prefill 2,048": (2048, 2048, "small"),
     "decode, 2,000 in DRAM": (1, 2000, "large"),
     "decode, 8,000 in DRAM": (1, 8000, "large"),
+    # a speculative step's verify chunk: one sequence's token and its drafts over a cached context
+    "verify: 3 over 2,000 in DRAM": (3, 2000, "large"),
+    "verify: 5 over 2,000 in DRAM": (5, 2000, "large"),
+    "verify: 9 over 2,000 in DRAM": (9, 2000, "large"),
 }
 LARGE_BLOCKS = 24_000
 TABLES = 64

@@ -24,6 +24,12 @@ from engine.model.attention.base import AttentionMetadata
 from engine.model.kernels.build import DTYPE_CODES, Kernels
 
 MAX_ITEM_TOKENS = 16  # query tokens of one request per work item: they share each block's conversion
+# A request's query is cut into items for idle threads only from this many tokens. Every item walks the
+# request's whole context (per KV head), and over a cached context that walk costs about as much as ~8 query
+# tokens' arithmetic (bfloat16 or float32, 2,000 tokens from DRAM, one thread): two items of n / 2 tokens
+# cost ~2 walks + n tokens where one item costs 1 walk + n, so cutting a verify chunk of a few tokens (a
+# decode step's drafts) made the step slower, not faster, on every batch size.
+SPLIT_MIN_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -34,12 +40,18 @@ class NativePlan:
     is_causal: bool
 
 
-def item_tokens(query_len: int, threads: int) -> int:
-    """Tokens per work item for a request with `query_len` new tokens: as many items as threads (each item
-    is then one per KV head, so there are several per thread), at most MAX_ITEM_TOKENS: bigger items convert
-    each block once for more rows, but too few items leave threads idle. Results do not depend on it
-    (benchmarks/attention_bench.py measures the trade-off)."""
-    return max(1, min(MAX_ITEM_TOKENS, -(-query_len // max(1, threads))))
+def item_tokens(query_len: int, threads: int, requests: int = 1) -> int:
+    """Tokens per work item for a request with `query_len` new tokens in a step of `requests` requests (each
+    item is then one per KV head): at most MAX_ITEM_TOKENS, since bigger items convert each block once for
+    more rows. A request is split over the threads (as many items as threads) only where the step has fewer
+    requests than threads and its query is long enough for its arithmetic to outweigh the extra walks over
+    its context (SPLIT_MIN_TOKENS): otherwise the other requests' items keep the threads busy, or an item's
+    walk is most of its cost. Results do not depend on it (benchmarks/attention_bench.py measures the
+    trade-off, its verify cases the short queries)."""
+    whole = max(1, min(MAX_ITEM_TOKENS, query_len))
+    if requests >= threads or query_len < SPLIT_MIN_TOKENS:
+        return whole
+    return max(1, min(whole, -(-query_len // max(1, threads))))
 
 
 class NativeBackend:
@@ -67,7 +79,7 @@ class NativeBackend:
                 raise ValueError(f"request {i}: block table has {len(table)} blocks, needs {need}")
             flat += table[:need]
             flat += [0] * (width - need)
-            step = item_tokens(n, threads)
+            step = item_tokens(n, threads, len(meta.query_lens))
             first, start = ctx - n, meta.query_starts[i]
             for a in range(0, n, step):
                 items += (start + a, min(step, n - a), first + a, ctx, i)
