@@ -103,8 +103,8 @@ def victim_ttft(base: str, model: str, client: httpx.Client | None = None) -> tu
     with opener("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                times.append(time.perf_counter())
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                times.append(time.perf_counter())  # a token's text (the last chunk may carry none)
     if len(times) < 2:
         raise RuntimeError("the victim got fewer than two tokens")
     return times[0] - start, statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
