@@ -13,8 +13,16 @@ K's step time over K = 0's in the same rounds.
 With acceptance a (tokens emitted per step, from spec_decode_bench's "steps off/on"), the speed-up of a batch
 is a / (cost(K) / cost(0)): the break-even acceptance at each (B, K) is the ratio printed.
 
+`--kernels ROWS` instead times a verify chunk's kernels one by one, without an engine: the default model's
+quantized linears (Q4_1 qkv, o, gate/up and down in 30 layers, each its own weights so that they come from
+memory as in a step; the Q8_0 output head) and its attention (9 heads, 3 KV heads, head_dim 64, 30 layers'
+caches of `--context` tokens in scattered blocks), for one sequence of each of ROWS query tokens; CPU time, ms
+per step. With `--baseline DIR` each kernel alternates with another checkout's (built for the same tier) and
+the line says whether their outputs have the same bits: the before / after of a kernel change.
+
     .venv/bin/python benchmarks/spec_step_cost.py                          # B 1,4,8,16,32; K 0,1,2,4,8
     .venv/bin/python benchmarks/spec_step_cost.py --batch 1 --draft 0,4,8,16 --context 2000
+    .venv/bin/python benchmarks/spec_step_cost.py --kernels 1,2,3,5,9 --threads 1 --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -27,11 +35,24 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import argparse
 import os
+import random
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.native import NativeBackend
+from engine.model.device import resolve_dtype
+from engine.model.kernels.build import DTYPE_CODES, Kernels, baseline_csrc, build_baseline, load
+from engine.model.layers.quant_linear import GGML_Q4_1, GGML_Q8_0, KERNEL_KIND, records
 from engine.model.loading.files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import Request
@@ -69,6 +90,109 @@ def prompt(core: EngineCore, n: int, salt: int) -> list[int]:
     return core.tokenizer.encode(text, add_special_tokens=False)[:n]  # type: ignore[attr-defined]
 
 
+# The default model's (SmolLM2-135M, Q4_1 GGUF) quantized linears: (GGML type, out, in, copies per step)
+LINEARS = {
+    "qkv": (GGML_Q4_1, 960, 576, 30),
+    "o": (GGML_Q4_1, 576, 576, 30),
+    "gate_up": (GGML_Q4_1, 3072, 576, 30),
+    "down": (GGML_Q4_1, 576, 1536, 30),
+    "head": (GGML_Q8_0, 49152, 576, 1),
+}
+
+
+def random_records(rng: np.random.Generator, ggml_type: int, n: int, k: int) -> torch.Tensor:
+    d = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16)
+    if ggml_type == GGML_Q8_0:
+        return torch.from_numpy(records(ggml_type, rng.integers(-127, 128, (n, k)).astype(np.int8), d, None))
+    m = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16)
+    return torch.from_numpy(records(ggml_type, rng.integers(0, 16, (n, k)).astype(np.uint8), d, m))
+
+
+def run_linear(kern: Kernels, ggml_type: int, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x through every copy of one linear (the default model's layers), as a step runs them."""
+    (m, k), n = x.shape, weights[0].shape[0] * 16
+    out = torch.empty(m, n, dtype=x.dtype)
+    code = DTYPE_CODES[x.dtype]
+    assert kern.quant_linear is not None
+    for w in weights:
+        kern.quant_linear(KERNEL_KIND[ggml_type], w.data_ptr(), n, k, code, x.data_ptr(), m, k, None,
+                          out.data_ptr(), n, code, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def run_attention(kern: Kernels, q: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:
+    """One sequence's attention in every layer (9 heads, 3 KV heads, head_dim 64, block size 16)."""
+    backend = NativeBackend(kern)
+    plan = backend.plan(meta)
+    return torch.stack([backend.forward(q, q, q, kc, vc, plan, None, 64**-0.5) for kc, vc in caches])
+
+
+def kernel_costs(args: argparse.Namespace) -> None:
+    """--kernels: each kernel of a verify chunk of R tokens, ms per step (CPU time), against --baseline's."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    mine, why = load()
+    if mine is None:
+        raise SystemExit(f"no native kernels: {why}")
+    kernels: dict[str, Kernels] = {"this tree": mine}
+    if args.baseline is not None:
+        tmp = tempfile.mkdtemp(prefix="spec-step-cost-")
+        kernels = {"baseline": build_baseline(baseline_csrc(args.baseline), Path(tmp) / "b.so"), **kernels}
+    rows = [int(r) for r in args.kernels.split(",")]
+    rng = np.random.default_rng(0)
+    print(f"tier {mine.tier}, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, context {args.context}; "
+          f"median of 7 alternated runs, ms per step (CPU time): {' -> '.join(kernels)}")  # fmt: skip
+    totals = {name: [0.0] * len(rows) for name in kernels}
+
+    def timed(calls: dict[str, Callable[[], torch.Tensor]]) -> tuple[dict[str, float], bool]:
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        outs = {}
+        for rep in range(8):
+            for name, call in calls.items():
+                t0 = time.process_time()
+                outs[name] = call()
+                if rep:  # the first: warm-up
+                    times[name].append(time.process_time() - t0)
+        got = list(outs.values())
+        same = all(torch.equal(o.view(torch.uint8), got[0].view(torch.uint8)) for o in got)
+        return {name: 1000 * statistics.median(t) for name, t in times.items()}, same
+
+    def report(label: str, per_rows: list[tuple[dict[str, float], bool]]) -> None:
+        cells = []
+        for i, (ms, same) in enumerate(per_rows):
+            for name, v in ms.items():
+                totals[name][i] += v
+            cell = " -> ".join(f"{v:6.2f}" for v in ms.values())
+            cells.append(f"R={rows[i]}: {cell}" + ("" if same else " (bits differ)"))
+        print(f"{label:10} " + "  ".join(cells), flush=True)
+
+    for label, (ggml_type, n, k, copies) in LINEARS.items():
+        weights = [random_records(rng, ggml_type, n, k) for _ in range(copies)]
+        per_rows = []
+        for r in rows:
+            x = torch.randn(r, k).to(dtype)
+            per_rows.append(
+                timed(
+                    {name: partial(run_linear, kern, ggml_type, weights, x) for name, kern in kernels.items()}
+                )
+            )
+        report(label, per_rows)
+    blocks = args.context // 16 + 2
+    caches = [tuple(torch.randn(blocks, 16, 3, 64).to(dtype) for _ in range(2)) for _ in range(30)]
+    table = random.Random(0).sample(range(blocks), blocks)
+    per_rows = []
+    for r in rows:
+        meta = AttentionMetadata([r], [args.context], [table], 16, torch.zeros(0, dtype=torch.int64))
+        q = torch.randn(r, 9, 64).to(dtype)
+        per_rows.append(
+            timed({name: partial(run_attention, kern, q, meta, caches) for name, kern in kernels.items()})
+        )
+    report("attention", per_rows)
+    for name, ms in totals.items():
+        print(f"{'all':10} {name}: " + "  ".join(f"R={r}: {v:6.2f}" for r, v in zip(rows, ms, strict=True)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", default="1,4,8,16,32")
@@ -79,7 +203,15 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--kernels", metavar="ROWS", help="time each kernel for these query rows instead (1,2,3,5,9)"
+    )
+    p.add_argument(
+        "--baseline", type=Path, help="with --kernels: another checkout's kernels against this tree's"
+    )
     args = p.parse_args()
+    if args.kernels:
+        return kernel_costs(args)
     batches = [int(b) for b in args.batch.split(",")]
     ks = [int(k) for k in args.draft.split(",")]
     core = make_core(args, max(batches), max(ks))

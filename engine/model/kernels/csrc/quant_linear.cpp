@@ -314,71 +314,92 @@ struct Args {
     int out_dtype;
 };
 
-// Rows r0 .. r0 + R - 1 (one row group) of block b against one tile's unpacked block w: total += d P (+ m S).
-template <int XT, int R>
-inline void block_dot(const Args& a, const VF* w, int64_t b, int64_t r0, VF* total) {
-    const int64_t at = r0 * (a.k / kBlock) + b * R;  // the group's first row of block b, in rows of one block
-    const VF* dm = w + q_vectors(XT);
-    const bool halves = a.kind.halves();
+// Rows r0 .. r0 + R - 1 (one row group) of NB consecutive blocks b0 .. b0 + NB - 1 against one tile's unpacked
+// blocks (w: NB x block_vectors(XT) vectors, block after block): total += d P (+ m S) block by block in order,
+// exactly as NB calls for one block each would add them. Each block's P (each half's, for two scales) is its own
+// chain from 0, so the NB blocks' chains run side by side: one block's P is a chain of 16 vdpbf16ps (32 fmas in
+// float32) whose latency, not the CPU's throughput, bounded a decode's rows (a few chains per block), and NB
+// blocks at a time give the CPU NB times the independent work. The per-lane arithmetic is unchanged.
+template <int XT, int R, int NB>
+inline void blocks_dot(const Args& a, const VF* w, int64_t b0, int64_t r0, VF* total) {
+    constexpr int BV = block_vectors(XT);
+    const int64_t at = r0 * (a.k / kBlock) + b0 * R;  // the group's first row of block b0, in rows of one block
+    const bool halves = a.kind.halves(), min = a.kind.min();
     if constexpr (XT == kDtypeBF16) {
 #if defined(BRINE_SIMD_DPBF16)
-        const uint16_t* xb = static_cast<const uint16_t*>(a.x) + at * kBlock;
-        const __m512i* pv = reinterpret_cast<const __m512i*>(w);
-        __m512 part[R];
-        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-        const auto pairs = [&](int p0, int p1) {
-            for (int p = p0; p < p1; ++p) {
-                const __m512bh wp = (__m512bh)pv[p];
-                for (int r = 0; r < R; ++r) {
-                    int32_t pair;
-                    std::memcpy(&pair, xb + r * kBlock + 2 * p, 4);
-                    part[r] = _mm512_dpbf16_ps(part[r], wp, (__m512bh)_mm512_set1_epi32(pair));
+        const uint16_t* xb = static_cast<const uint16_t*>(a.x) + at * kBlock;  // block i, row r: (i R + r) kBlock
+        __m512 part[2][NB][R];  // [half][block][row]: the second half only for two scales
+        for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < NB; ++i)
+                for (int r = 0; r < R; ++r) part[h][i][r] = _mm512_setzero_ps();
+        const auto pairs = [&](int h, int p0, int p1) {
+            for (int p = p0; p < p1; ++p)
+                for (int i = 0; i < NB; ++i) {
+                    const __m512bh wp = (__m512bh)reinterpret_cast<const __m512i*>(w + i * BV)[p];
+                    for (int r = 0; r < R; ++r) {
+                        int32_t pair;
+                        std::memcpy(&pair, xb + (i * R + r) * kBlock + 2 * p, 4);
+                        part[h][i][r] = _mm512_dpbf16_ps(part[h][i][r], wp, (__m512bh)_mm512_set1_epi32(pair));
+                    }
                 }
-            }
         };
         if (halves) {
-            pairs(0, kPairs / 2);
-            for (int r = 0; r < R; ++r) {
-                total[r].v = _mm512_fmadd_ps(dm[0].v, part[r], total[r].v);
-                part[r] = _mm512_setzero_ps();
+            pairs(0, 0, kPairs / 2);
+            pairs(1, kPairs / 2, kPairs);
+            for (int i = 0; i < NB; ++i) {
+                const VF* dm = w + i * BV + q_vectors(XT);
+                for (int r = 0; r < R; ++r) {
+                    total[r].v = _mm512_fmadd_ps(dm[0].v, part[0][i][r], total[r].v);
+                    total[r].v = _mm512_fmadd_ps(dm[1].v, part[1][i][r], total[r].v);
+                }
             }
-            pairs(kPairs / 2, kPairs);
-            for (int r = 0; r < R; ++r) total[r].v = _mm512_fmadd_ps(dm[1].v, part[r], total[r].v);
             return;
         }
-        pairs(0, kPairs);
-        for (int r = 0; r < R; ++r) {
-            total[r].v = _mm512_fmadd_ps(dm[0].v, part[r], total[r].v);
-            if (a.kind.min()) total[r].v = _mm512_fmadd_ps(dm[1].v, _mm512_set1_ps(a.sums[at + r]), total[r].v);
+        pairs(0, 0, kPairs);
+        for (int i = 0; i < NB; ++i) {
+            const VF* dm = w + i * BV + q_vectors(XT);
+            for (int r = 0; r < R; ++r) {
+                total[r].v = _mm512_fmadd_ps(dm[0].v, part[0][i][r], total[r].v);
+                if (min) total[r].v = _mm512_fmadd_ps(dm[1].v, _mm512_set1_ps(a.sums[at + i * R + r]), total[r].v);
+            }
         }
 #endif
     } else {
         const float* xb = static_cast<const float*>(a.x) + at * kBlock;
-        VF part[R];
-        for (int r = 0; r < R; ++r) part[r] = vzero();
-        const auto inputs = [&](int i0, int i1) {
-            constexpr int kStep = input_step(R);
-            for (int i = i0; i < i1; i += kStep) {
-                VF wi[kStep];
-                for (int s = 0; s < kStep; ++s) wi[s] = w[i + s];
-                for (int r = 0; r < R; ++r)
-                    for (int s = 0; s < kStep; ++s) part[r] = vfmadd(wi[s], vset1(xb[r * kBlock + i + s]), part[r]);
-            }
+        VF part[2][NB][R];
+        for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < NB; ++i)
+                for (int r = 0; r < R; ++r) part[h][i][r] = vzero();
+        const auto inputs = [&](int h, int i0, int i1) {
+            constexpr int kStep = input_step(R * NB);
+            for (int j = i0; j < i1; j += kStep)
+                for (int i = 0; i < NB; ++i) {
+                    VF wj[kStep];
+                    for (int s = 0; s < kStep; ++s) wj[s] = w[i * BV + j + s];
+                    for (int r = 0; r < R; ++r)
+                        for (int s = 0; s < kStep; ++s)
+                            part[h][i][r] = vfmadd(wj[s], vset1(xb[(i * R + r) * kBlock + j + s]), part[h][i][r]);
+                }
         };
         if (halves) {
-            inputs(0, kBlock / 2);
-            for (int r = 0; r < R; ++r) {
-                total[r] = vfmadd(dm[0], part[r], total[r]);
-                part[r] = vzero();
+            inputs(0, 0, kBlock / 2);
+            inputs(1, kBlock / 2, kBlock);
+            for (int i = 0; i < NB; ++i) {
+                const VF* dm = w + i * BV + q_vectors(XT);
+                for (int r = 0; r < R; ++r) {
+                    total[r] = vfmadd(dm[0], part[0][i][r], total[r]);
+                    total[r] = vfmadd(dm[1], part[1][i][r], total[r]);
+                }
             }
-            inputs(kBlock / 2, kBlock);
-            for (int r = 0; r < R; ++r) total[r] = vfmadd(dm[1], part[r], total[r]);
             return;
         }
-        inputs(0, kBlock);
-        for (int r = 0; r < R; ++r) {
-            total[r] = vfmadd(dm[0], part[r], total[r]);
-            if (a.kind.min()) total[r] = vfmadd(dm[1], vset1(a.sums[at + r]), total[r]);
+        inputs(0, 0, kBlock);
+        for (int i = 0; i < NB; ++i) {
+            const VF* dm = w + i * BV + q_vectors(XT);
+            for (int r = 0; r < R; ++r) {
+                total[r] = vfmadd(dm[0], part[0][i][r], total[r]);
+                if (min) total[r] = vfmadd(dm[1], vset1(a.sums[at + i * R + r]), total[r]);
+            }
         }
     }
 }
@@ -430,19 +451,41 @@ inline void with_rows(int rows, F&& f) {
     }
 }
 
-// One row group against one tile, straight from its records: each block is unpacked into registers and
-// used at once, with no panel written and read back (a second group unpacks again, from cache). Every lane's
-// arithmetic is the sequence in the header.
+// Blocks of one tile taken together by group_direct for R rows: enough independent chains to cover the dot
+// products' latency (blocks_dot), while the NB x R partial sums and R totals stay in registers (AVX512: 32
+// vectors; AVX2: 16, two per VF). More spilled them: on AVX2, 2 blocks beside 5 rows made the float32 linears
+// 1.4x slower. The portable build keeps one block at a time (unmeasured there).
+constexpr int blocks_at_once(int rows) {
+#if defined(BRINE_SIMD_AVX512)
+    return rows <= 2 ? 4 : rows <= 6 ? 2 : 1;
+#elif defined(BRINE_SIMD_AVX2)
+    return rows <= 1 ? 4 : rows <= 2 ? 2 : 1;
+#else
+    return static_cast<void>(rows), 1;
+#endif
+}
+
+// Blocks [b, end) of one row group against one tile, straight from their records (rec: block b's), NB at a time
+// and then fewer for the rest.
+template <int WT, int XT, int R, int NB>
+inline void direct_blocks(const Args& a, const uint8_t* rec, int64_t b, int64_t end, int64_t r0, VF* total) {
+    const int64_t bytes = a.kind.bytes();
+    for (; b + NB <= end; b += NB, rec += NB * bytes) {
+        VF w[NB * block_vectors(XT)];
+        for (int i = 0; i < NB; ++i) unpack_block<WT, XT>(rec + i * bytes, a.kind, w + i * block_vectors(XT));
+        blocks_dot<XT, R, NB>(a, w, b, r0, total);
+    }
+    if constexpr (NB > 1) direct_blocks<WT, XT, R, NB / 2>(a, rec, b, end, r0, total);
+}
+
+// One row group against one tile, straight from its records: each block is unpacked into registers (or the
+// stack, a few KB in L1) and used at once, with no panel written and read back (a second group unpacks again,
+// from cache). Every lane's arithmetic is the sequence in the header.
 template <int WT, int XT, int R>
 void group_direct(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0) {
     VF total[R];
     for (int r = 0; r < R; ++r) total[r] = vzero();
-    const int64_t bytes = a.kind.bytes();
-    for (int64_t b = 0; b < a.k / kBlock; ++b, rec += bytes) {
-        VF w[block_vectors(XT)];
-        unpack_block<WT, XT>(rec, a.kind, w);
-        block_dot<XT, R>(a, w, b, r0, total);
-    }
+    direct_blocks<WT, XT, R, blocks_at_once(R)>(a, rec, 0, a.k / kBlock, r0, total);
     store_rows<R>(a, total, tile, r0);
 }
 
@@ -451,7 +494,7 @@ template <int XT, int R>
 void group_panel(const Args& a, const VF* panel, int64_t tile, int64_t r0) {
     VF total[R];
     for (int r = 0; r < R; ++r) total[r] = vzero();
-    for (int64_t b = 0; b < a.k / kBlock; ++b) block_dot<XT, R>(a, panel + b * block_vectors(XT), b, r0, total);
+    for (int64_t b = 0; b < a.k / kBlock; ++b) blocks_dot<XT, R, 1>(a, panel + b * block_vectors(XT), b, r0, total);
     store_rows<R>(a, total, tile, r0);
 }
 
