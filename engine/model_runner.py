@@ -30,7 +30,10 @@ from engine.kv_store import KVStore
 from engine.lora.manager import LoRAManager
 from engine.model.attention.base import AttentionBackend, AttentionMetadata, slot_ids
 from engine.model.attention.chooser import select_backend
+from engine.model.attention.flex import FlexBackend
+from engine.model.cuda_graphs import GraphRunner, StaticFlexAttention
 from engine.model.device import resolve_device, resolve_dtype
+from engine.model.graph_plan import Q_BLOCK, PaddedStep, buckets_up_to, pad_step
 from engine.model.kernels.build import describe as describe_kernels
 from engine.model.layers.linear import PackedLinear
 from engine.model.layers.quant_linear import QuantLinear
@@ -104,6 +107,10 @@ class ModelRunner:
         # --enable-lora every step runs the Python layers, so a base row's bits never depend on its neighbours.
         self.lora = LoRAManager.from_config(config, self.model, self.device) if config.enable_lora else None
         self.layer_stack, why_not = self._layer_stack(config.enforce_eager)
+        # CUDA graphs for short steps (engine.model.cuda_graphs); None on CPU, whose path never pads.
+        self.graphs: GraphRunner | None = None
+        if self.device.type == "cuda":
+            self.graphs = self._capture_graphs(config)
         logger.info(
             "model %s on %s (%s), kernels %s, linears %s, attention backend %s, layers %s, native paths "
             "declared: %s, batch invariance %s",
@@ -127,6 +134,44 @@ class ModelRunner:
         if not self.capabilities.native_stack:
             return None, f"{self.architecture} declares no native decoder stack"
         return NativeStack.build(self.model, self.attn_backend)
+
+    def _capture_graphs(self, config: EngineConfig) -> GraphRunner | None:
+        """CUDA graphs of the short steps, captured now (each capture's time is logged), or None with the
+        reason logged. Untested on a GPU as of issue 33's CPU preparation (see engine.model.cuda_graphs)."""
+        cfg = self.model_config
+        why = None
+        if config.enforce_eager:
+            why = "--enforce-eager"
+        elif self.lora is not None:
+            why = "--enable-lora"
+        elif not isinstance(self.attn_backend, FlexBackend) or self.attn_backend.failed:
+            why = f"the attention backend is {self.attention_backend}, not flex"
+        elif any(w is not None for w in cfg.sliding_windows):
+            why = "sliding-window layers"
+        if why is not None:
+            logger.info("CUDA graphs off: %s", why)
+            return None
+        buckets = buckets_up_to(config.max_num_batched_tokens)
+        max_len = min(config.max_model_len or self.max_model_len, self.max_model_len)
+        try:
+            attention = StaticFlexAttention(
+                self.device, self.num_blocks, self.block_size, max(buckets) * Q_BLOCK, compile=True
+            )
+            graphs = GraphRunner(
+                self.model,
+                self.kv_store.k_caches,
+                self.kv_store.v_caches,
+                attention,
+                self.block_size,
+                max_len,
+                buckets,
+                self.is_causal,
+            )
+            graphs.capture()
+        except Exception as exc:  # a capture that fails leaves the eager path, which serves every step
+            logger.warning("CUDA graphs off: capture failed (%s: %s)", type(exc).__name__, exc, exc_info=exc)
+            return None
+        return graphs
 
     @property
     def linear_weights(self) -> str:
@@ -169,7 +214,18 @@ class ModelRunner:
         reqs = [r for r in out.scheduled if r.request_id not in errors] if errors else out.scheduled
         if not reqs:
             return RunnerOutput({}, errors=errors)
-        step = self._prepare(reqs)
+        if self.graphs is not None:  # CUDA only: short steps replay a captured graph
+            lists = self._host_lists(reqs)
+            graphed = self._graphed(reqs, lists)
+            if graphed is not None:
+                rows, padded = graphed
+                with self.grammar_masks.filling(rows.sampling) as masks:
+                    result = self._sample(rows, self.graphs.run(padded)[: padded.num_rows], masks)
+                result.errors.update(errors)
+                return result
+            step = self._prepare(reqs, lists)
+        else:
+            step = self._prepare(reqs)
         adapters = self.lora.step(reqs) if self.lora is not None else contextlib.nullcontext()
         # Grammar masks are filled on their own thread while the forward runs (engine.grammar_masks).
         hook = between_layers if self.yields_between_layers else None
@@ -187,15 +243,12 @@ class ModelRunner:
             return f"token id out of range for a vocabulary of {self.vocab_size}"
         return None
 
-    def _prepare(self, reqs: list[ScheduledRequest]) -> _Step:
-        """Host lists for the step, sent to the device in one copy."""
+    def _host_lists(self, reqs: list[ScheduledRequest]) -> _HostLists:
+        """The step's token lists, built once on the host."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[int] = []
-        prompt_spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, count)
+        lists = _HostLists([], [], [], [], [], [])
+        input_ids, positions, slots = lists.input_ids, lists.positions, lists.slots
+        sample_rows, prompt_rows, prompt_spans = lists.sample_rows, lists.prompt_rows, lists.prompt_spans
         for r in reqs:  # each checked by _invalid
             start, n = r.num_computed_tokens, len(r.new_token_ids)
             ctx = start + n
@@ -211,19 +264,56 @@ class ModelRunner:
                 if count > 0:
                     prompt_spans.append((r, len(prompt_rows), count))
                     prompt_rows += range(row0, row0 + count)
+        return lists
+
+    def _prepare(self, reqs: list[ScheduledRequest], lists: _HostLists | None = None) -> _Step:
+        """Host lists for the step, sent to the device in one copy."""
+        h = lists if lists is not None else self._host_lists(reqs)
+        input_ids, positions, slots = h.input_ids, h.positions, h.slots
         t = len(input_ids)
-        host = torch.tensor(input_ids + positions + slots + sample_rows + prompt_rows, dtype=torch.int64)
+        host = torch.tensor(input_ids + positions + slots + h.sample_rows + h.prompt_rows, dtype=torch.int64)
         dev = to_device(host, self.device)
         meta = AttentionMetadata(
             query_lens=[len(r.new_token_ids) for r in reqs],
             context_lens=[r.num_computed_tokens + len(r.new_token_ids) for r in reqs],
             block_tables=[r.block_ids for r in reqs],
-            block_size=bs,
+            block_size=self.block_size,
             slot_mapping=dev[2 * t : 3 * t],
             is_causal=self.is_causal,
         )
         sampling, drafted = sampling_rows(reqs)
-        return _Step(dev[:t], dev[t : 2 * t], meta, dev[3 * t :], sampling, prompt_spans, drafted)
+        return _Step(
+            sampling=sampling,
+            prompt_spans=h.prompt_spans,
+            drafted=drafted,
+            input_ids=dev[:t],
+            positions=dev[t : 2 * t],
+            meta=meta,
+            logits_indices=dev[3 * t :],
+        )
+
+    def _graphed(self, reqs: list[ScheduledRequest], h: _HostLists) -> tuple[_Rows, PaddedStep] | None:
+        """The step padded to a captured bucket (CUDA graphs), or None where it runs eagerly: no graphs,
+        prompt logprobs, no row to sample, more tokens than the largest bucket, a context past the plan's."""
+        graphs = self.graphs
+        if graphs is None or h.prompt_rows or not h.sample_rows:
+            return None
+        context_lens = [r.num_computed_tokens + len(r.new_token_ids) for r in reqs]
+        bucket = graphs.bucket(len(h.input_ids), max(context_lens))
+        if bucket is None:
+            return None
+        padded = pad_step(
+            bucket,
+            h.input_ids,
+            h.positions,
+            h.slots,
+            h.sample_rows,
+            [len(r.new_token_ids) for r in reqs],
+            context_lens,
+            [r.block_ids for r in reqs],
+        )
+        sampling, drafted = sampling_rows(reqs)
+        return _Rows(sampling, [], drafted), padded
 
     def _run(self, step: _Step, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """The model over the step: [sampling rows + prompt-logprob rows, vocab] float32 logits."""
@@ -239,7 +329,7 @@ class ModelRunner:
         )
         return self.model(step.input_ids, ctx)
 
-    def _sample(self, step: _Step, logits: torch.Tensor, masks: StepMasks | None = None) -> RunnerOutput:
+    def _sample(self, step: _Rows, logits: torch.Tensor, masks: StepMasks | None = None) -> RunnerOutput:
         """Sampled tokens and logprobs, brought back with the step's one device->host sync."""
         sampling, prompt_spans = step.sampling, step.prompt_spans
         ns = len(sampling)
@@ -264,16 +354,34 @@ class ModelRunner:
 
 
 @dataclass(slots=True)
-class _Step:
-    """One step's device inputs (from `_prepare`) and what `_sample` needs to read the logits back."""
+class _HostLists:
+    """One step's host lists (`_host_lists`), before they are sent."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    sample_rows: list[int]  # flat token index of each sampling row
+    prompt_rows: list[int]  # flat token index of each prompt-logprob row
+    prompt_spans: list[tuple[ScheduledRequest, int, int]]  # (request, first row, count)
+
+
+@dataclass(slots=True)
+class _Rows:
+    """What `_sample` needs to read a step's logits back."""
+
+    sampling: list[ScheduledRequest]  # the requests that sample, in row order (one per verified position)
+    prompt_spans: list[tuple[ScheduledRequest, int, int]]  # (request, first prompt row, count)
+    drafted: list[tuple[ScheduledRequest, int]]  # requests with drafts: (request, first of its sampling rows)
+
+
+@dataclass(slots=True)
+class _Step(_Rows):
+    """One step's device inputs (from `_prepare`) beside its rows."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N]: one row per sampling request, then the prompt-logprob rows
-    sampling: list[ScheduledRequest]  # the requests that sample, in row order (one per verified position)
-    prompt_spans: list[tuple[ScheduledRequest, int, int]]  # (request, first prompt row, count)
-    drafted: list[tuple[ScheduledRequest, int]]  # requests with drafts: (request, first of its sampling rows)
 
 
 def _unpack(

@@ -1,0 +1,271 @@
+"""CUDA-graph steps (engine.model.cuda_graphs, engine.model.graph_plan): buckets, the padding rule and the static
+attention plan, on CPU; the capture itself on CUDA (marked, skipped here).
+
+The padding rule is checked bit for bit through the engine's own CPU attention (invariant): a step padded to
+its bucket gives every real row the logits and tokens it gives unpadded. The static FlexAttention plan is
+checked against FlexBackend's own planning (`plan_tiles`, exact) and, run eagerly on CPU, against FlexBackend's
+logits (close: eager flex on CPU is not batch-invariant, and the two run different row counts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.model.attention.base import slot_ids
+from engine.model.attention.flex import FlexBackend, plan_tiles
+from engine.model.cuda_graphs import GraphRunner, StaticFlexAttention
+from engine.model.graph_plan import (
+    BUCKETS,
+    Q_BLOCK,
+    PaddedStep,
+    StaticLayout,
+    bucket_for,
+    buckets_up_to,
+    fill_flex_plan,
+    pad_step,
+)
+from engine.model.models.context import ForwardContext
+from engine.model_runner import ModelRunner
+
+BS = 4
+
+
+def test_buckets():
+    assert [bucket_for(n, BUCKETS) for n in (1, 2, 3, 5, 9, 17, 33, 64, 65)] == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        64,
+        64,
+        None,
+    ]
+    assert buckets_up_to(2048) == BUCKETS
+    assert buckets_up_to(20) == (1, 2, 4, 8, 16)
+    assert buckets_up_to(0) == (1,)
+
+
+def test_pad_step_repeats_the_last_token_as_requests_of_one_query():
+    p = pad_step(8, [5, 6, 7], [3, 9, 10], [30, 41, 42], [0, 2], [1, 2], [4, 11], [[7], [8, 9, 10]])
+    assert (p.bucket, p.num_tokens, p.num_rows) == (8, 3, 2)
+    assert p.input_ids == [5, 6, 7] + [7] * 5
+    assert p.positions == [3, 9, 10] + [10] * 5
+    assert p.slots == [30, 41, 42] + [42] * 5
+    assert p.logits_rows == [0, 2] + [2] * 6
+    assert p.query_lens == [1, 2] + [1] * 5
+    assert p.context_lens == [4, 11] + [11] * 5
+    assert p.block_tables == [[7], [8, 9, 10]] + [[8, 9, 10]] * 5
+    with pytest.raises(ValueError):
+        pad_step(2, [1, 2, 3], [0, 1, 2], [0, 1, 2], [2], [3], [3], [[0]])
+
+
+def _step(batch: list[tuple[list[int], int, list[int]]], sample_last: bool = True):
+    """(new tokens, computed, block table) per request -> the runner's host lists (every request samples)."""
+    ids, pos, slots, rows = [], [], [], []
+    for new, start, table in batch:
+        rows.append(len(ids) + len(new) - 1)
+        ids += new
+        pos += range(start, start + len(new))
+        slots += slot_ids(table, start, start + len(new), BS)
+    qlens = [len(n) for n, _, _ in batch]
+    ctx = [s + len(n) for n, s, _ in batch]
+    return ids, pos, slots, rows, qlens, ctx, [t for _, _, t in batch]
+
+
+def _unpadded(runner: ModelRunner, lists) -> torch.Tensor:
+    """The step as the runner runs it (no padding), through the runner's own attention backend."""
+    ids, pos, slots, rows, qlens, ctx, tables = lists
+    p = pad_step(len(ids), *lists)  # pads nothing: the same lists as tensors
+    assert p.input_ids == ids and p.logits_rows[: len(rows)] == rows
+    from engine.model.attention.base import AttentionMetadata
+
+    dev = torch.tensor([ids, pos, slots])
+    meta = AttentionMetadata(qlens, ctx, tables, BS, dev[2])
+    fc = ForwardContext.for_step(
+        runner.attn_backend,
+        meta,
+        dev[1],
+        runner.kv_store.k_caches,
+        runner.kv_store.v_caches,
+        torch.tensor(rows),
+    )
+    return runner.model(dev[0], fc)
+
+
+def _prefill(runner: ModelRunner, prompts: dict[str, list[int]], tables: dict[str, list[int]]) -> None:
+    lists = _step([(p, 0, tables[k]) for k, p in prompts.items()])
+    _unpadded(runner, lists)
+
+
+@pytest.fixture
+def runner(tiny_model) -> ModelRunner:
+    tiny = tiny_model("llama")
+    return ModelRunner(
+        EngineConfig(model=str(tiny.path), device="cpu", dtype="float32", block_size=BS, num_blocks=64)
+    )
+
+
+def test_padding_changes_no_rows_bits_on_cpu(runner: ModelRunner):
+    """Decodes and a mixed step, padded to their buckets through the engine's CPU attention: the real rows'
+    logits (and so their greedy tokens) are the unpadded run's, bit for bit."""
+    assert runner.graphs is None  # never on CPU
+    prompts = {"a": [3, 17, 29, 4, 8, 60, 2], "b": [9, 9, 1], "c": [44, 5, 6, 7, 8, 100, 3, 1, 12, 13, 14]}
+    tables = {"a": [40, 3, 17, 22], "b": [8, 0, 5, 60], "c": [11, 50, 2, 7, 33]}
+    _prefill(runner, prompts, tables)
+    graphs = GraphRunner(
+        runner.model,
+        runner.kv_store.k_caches,
+        runner.kv_store.v_caches,
+        runner.attn_backend,
+        BS,
+        runner.max_model_len,
+        BUCKETS,
+    )
+    n = {k: len(p) for k, p in prompts.items()}
+    decodes = _step([([5], n["a"], tables["a"]), ([77], n["b"], tables["b"]), ([6], n["c"], tables["c"])])
+    mixed = _step([([5], n["a"], tables["a"]), ([12, 13, 14, 15, 16], n["b"], tables["b"])])
+    for lists in (decodes, mixed):
+        want = _unpadded(runner, lists)
+        bucket = graphs.bucket(len(lists[0]), max(lists[5]))
+        assert bucket is not None and bucket > len(lists[0])  # 3 -> 4, 6 -> 8: there is padding
+        got = graphs.run(pad_step(bucket, *lists))[: len(lists[3])]
+        assert torch.equal(got, want)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        # Twice the bucket's padding (a larger bucket): still the same bits.
+        wider = bucket_for(2 * bucket, BUCKETS)
+        assert wider is not None
+        assert torch.equal(graphs.run(pad_step(wider, *lists))[: len(lists[3])], want)
+
+
+def _reference_tiles(step: PaddedStep, bs: int) -> list[tuple[int, list[int]]]:
+    """(kv count, blocks) per tile, from FlexBackend's own planning (batch-invariant: all partial)."""
+    out = []
+    for n, ctx, table in zip(step.query_lens, step.context_lens, step.block_tables, strict=True):
+        tp = plan_tiles(ctx - n, n, ctx, table, bs, True, None, split_full=False)
+        assert all(len(f) == 0 for f in tp.full)
+        out += [(len(p), [int(x) for x in p]) for p in tp.partial]
+    return out
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [([1], 6, [3, 9])],  # one decode
+        [([1], 6, [3, 9]), ([2], 0, [5]), ([3], 12, [7, 1, 8, 2])],  # decodes, one at position 0
+        [([1] * 20, 3, [3, 9, 4, 6, 10, 11]), ([2], 8, [0, 13, 14])],  # a chunk over two tiles + a decode
+    ],
+)
+def test_static_flex_plan_lists_flexbackends_blocks(batch):
+    lists = _step(batch)
+    step = pad_step(bucket_for(len(lists[0]), BUCKETS) or 0, *lists)
+    layout = StaticLayout(step.bucket, max_blocks=8)
+    buf = np.full(layout.size, -7, dtype=np.int64)
+    fill_flex_plan(buf, layout, step, BS)
+
+    def field(name: str) -> np.ndarray:
+        s, n = layout.span(name)
+        return buf[s : s + n]
+
+    ref = _reference_tiles(step, BS)
+    kv_num, kv_idx = field("kv_num"), field("kv_idx").reshape(step.bucket, 8)
+    assert len(ref) <= step.bucket
+    for k, (count, blocks) in enumerate(ref):
+        assert kv_num[k] == count and list(kv_idx[k, :count]) == blocks
+    # unused tiles repeat the last used one
+    assert all(kv_num[k] == ref[-1][0] for k in range(len(ref), step.bucket))
+    # every token is answered by a query row fed by that token, at its position
+    q_src, q_pos, q_lim, out_rows = field("q_src"), field("q_pos"), field("q_lim"), field("out_rows")
+    assert list(q_src[out_rows]) == list(range(step.bucket))
+    assert list(q_pos[out_rows]) == step.positions and list(q_lim[out_rows]) == step.positions
+    assert len(q_src) == step.bucket * Q_BLOCK and (q_src >= 0).all() and (q_src < step.bucket).all()
+    with pytest.raises(ValueError):
+        fill_flex_plan(buf, StaticLayout(step.bucket, max_blocks=1), step, BS)
+
+
+def test_static_flex_attention_matches_flexbackend_eagerly_on_cpu(runner: ModelRunner):
+    """The whole static path (staging, device-side prepare, BlockMask over static tensors) run eagerly on CPU
+    gives FlexBackend's logits (uncompiled flex on both sides), within float32 rounding."""
+    prompts = {"a": [3, 17, 29, 4, 8, 60, 2], "b": [9, 9, 1]}
+    tables = {"a": [40, 3, 17, 22], "b": [8, 31, 5, 60]}
+    _prefill(runner, prompts, tables)
+    nb = runner.num_blocks
+    static = StaticFlexAttention(runner.device, nb, BS, max(BUCKETS) * Q_BLOCK, compile=False)
+    graphs = GraphRunner(
+        runner.model, runner.kv_store.k_caches, runner.kv_store.v_caches, static, BS, 64, BUCKETS
+    )
+    flex = FlexBackend(runner.device, nb, BS, compile=False, batch_invariant=True)
+    lists = _step([([5], 7, tables["a"]), ([12, 13, 14, 15, 16], 3, tables["b"])])
+    bucket = graphs.bucket(len(lists[0]), max(lists[5]))
+    assert bucket == 8
+    got = graphs.run(pad_step(bucket, *lists))[:2]
+    runner.attn_backend = flex
+    want = _unpadded(runner, lists)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # A context past the plan's width runs eagerly instead.
+    assert graphs.bucket(1, 65) is None
+
+
+@pytest.mark.cuda
+def test_graph_replay_gives_the_eager_padded_runs_bits_on_cuda(tiny_model):
+    """On CUDA: the runner captures every bucket; a replay gives the bits of the same padded step run
+    eagerly; greedy tokens through execute() match --enforce-eager's. (Untested on a GPU so far.)"""
+    from test_model_runner import Driver
+
+    from engine.sampling_params import SamplingParams
+
+    tiny = tiny_model("llama")
+
+    def make(eager: bool) -> ModelRunner:
+        cfg = EngineConfig(
+            model=str(tiny.path),
+            device="cuda",
+            dtype="float32",
+            block_size=16,
+            num_blocks=64,
+            enforce_eager=eager,
+        )
+        return ModelRunner(cfg)
+
+    runner = make(False)
+    assert runner.graphs is not None and sorted(runner.graphs.captured) == list(BUCKETS)
+    graphs = runner.graphs
+    lists = _step_bs16([([5], 7, [3]), ([12, 13, 14], 3, [9])])
+    step = pad_step(8, *lists)
+    replayed = graphs.run(step)[:2].clone()
+    bk = graphs._buckets[8]
+    eager = graphs._forward(bk)[:2]
+    assert torch.equal(replayed, eager)
+
+    outs = []
+    for eager_mode in (False, True):
+        r = make(eager_mode)
+        d = Driver(r, chunk=8)
+        for i in range(5):
+            d.add(f"r{i}", [1 + i, 7, 9, 11 + i, 3], SamplingParams(temperature=0.0, max_tokens=8))
+        for _ in range(10):
+            d.step()
+        outs.append({k: v["out"] for k, v in d.reqs.items()})
+    assert outs[0] == outs[1]
+
+
+def _step_bs16(batch):
+    ids, pos, slots, rows = [], [], [], []
+    for new, start, table in batch:
+        rows.append(len(ids) + len(new) - 1)
+        ids += new
+        pos += range(start, start + len(new))
+        slots += slot_ids(table, start, start + len(new), 16)
+    return (
+        ids,
+        pos,
+        slots,
+        rows,
+        [len(n) for n, _, _ in batch],
+        [s + len(n) for n, s, _ in batch],
+        [t for _, _, t in batch],
+    )
