@@ -591,7 +591,7 @@ void run_bf16_items(const Args& a, int threads) {
 
 #endif
 
-// ---- float32 with 16 rows in the lanes: 16-key blocks, head_dim a multiple of 16, items of 16 rows or more ----
+// ---- float32 with 16 rows in the lanes: 16-key blocks, head_dim a multiple of 16, items of kLaneRowsMin rows or more ----
 //
 // The generic path's arithmetic, element for element, with the vectors laid across rows instead of keys: lane l
 // of a group is row r0 + l of the item. A score is still q . k over d in order from 0 (fma by fma), a weight
@@ -606,7 +606,17 @@ void run_bf16_items(const Args& a, int threads) {
 // ymm, AVX512's 32 zmm). AVX2 tier, one thread, the default model's shape: a 2,048-token prefill 168 -> 65 ms per
 // layer (29 -> 75 GFLOP/s), a 16-token chunk over 2,000 cached 2.1 -> 0.8 ms; same bits.
 constexpr int kLanes = 16;
-constexpr int kLaneRowsMin = 16;  // items with fewer rows (a decode: the GQA group's few) keep the generic path
+// Items with fewer rows keep the generic path. AVX2: every item (attention_bench --dtype float32, one thread, against
+// the generic path: a decode over 2,000 tokens in DRAM 1.19x faster, verify chunks of 3 and 5 tokens 1.5x and 1.8x).
+// AVX512: a decode's GQA group (3 rows) measured 0.8x in DRAM there (its generic loops are wider), verify chunks 1.1x
+// and 1.3x, so from 4 rows. The portable build: unmeasured, as before.
+#if defined(BRINE_SIMD_AVX2)
+constexpr int kLaneRowsMin = 1;
+#elif defined(BRINE_SIMD_AVX512)
+constexpr int kLaneRowsMin = 4;
+#else
+constexpr int kLaneRowsMin = 16;
+#endif
 #if defined(BRINE_SIMD_AVX512)
 constexpr int kChunk = 16;  // keys of a block per score chunk, dims per value chunk: accumulators in registers
 #elif defined(BRINE_SIMD_AVX2)
@@ -652,19 +662,36 @@ inline void lane_scores(const float* qT, const float* kb, int64_t stride, float*
     for (int j = 0; j < N; ++j) vstore(s + j * kLanes, acc[j]);
 }
 
-// Output dims d0 .. d0 + N of the group's rows over blocks [b0, b1): o[i] = fma(p[key], v[key][d0 + i], o[i]) key
-// by key, keys a lane does not see left out.
+// Output dims d0 .. d0 + N of the group's rows over blocks [b0, b1) of the item's [w_lo, b_hi): o[i] = fma(p[key],
+// v[key][d0 + i], o[i]) key by key, keys a lane does not see left out, continuing from acc's sums unless b0 is the
+// item's first block. The caller walks the blocks in runs of kValueBlocks, each run for every chunk of dims, so
+// that a run's values come from memory once (the first chunk's walk, which also asks for the blocks ahead) and
+// from L1 for the other chunks: a walk of all blocks per chunk read a long context's values from memory or L3
+// once per chunk. Per lane and dim the fmas stay key by key in position order.
+constexpr int kValueBlocks = 8;  // 128 keys: 32 KB of float32 values at head_dim 64
+// Blocks ahead that the float32 walks ask for: as many bytes in flight as kPrefetchBlocks of bfloat16 at head_dim 64.
+constexpr int kLanePrefetch = 8;
+
 template <int N, int D>
-inline void lane_values(const Args& a, const int32_t* table, int kvh, int b0, int b1, int full_lo, int full_hi,
-                        simd::VF vlo, simd::VF vhi, const float* w, int d0, float* acc) {
+inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, int b_hi, int b0, int b1, int full_lo,
+                        int full_hi, simd::VF vlo, simd::VF vhi, const float* w, int d0, float* acc) {
     using namespace simd;
     constexpr int BS = 16;
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
     VF o[N];
-    for (int i = 0; i < N; ++i) o[i] = vzero();
+    for (int i = 0; i < N; ++i) o[i] = b0 == w_lo ? vzero() : vload(acc + (d0 + i) * kLanes);
+    const auto prefetch = [&](int b) {
+        const char* v = reinterpret_cast<const char*>(
+            static_cast<const float*>(a.v_cache) + (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D);
+        for (int j = 0; j < BS; ++j)
+            for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(v + j * stride * 4 + o, 0, 2);
+    };
+    if (d0 == 0 && b0 == w_lo)  // see kLanePrefetch: the first chunk's walk asks for the blocks ahead
+        for (int b = b0; b < std::min(b_hi, b0 + kLanePrefetch); ++b) prefetch(b);
     for (int b = b0; b < b1; ++b) {
+        if (d0 == 0 && b + kLanePrefetch < b_hi) prefetch(b + kLanePrefetch);
         const float* vb = static_cast<const float*>(a.v_cache) + (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D + d0;
-        const float* p = w + (b - b0) * BS * kLanes;
+        const float* p = w + (b - w_lo) * BS * kLanes;
         if (full_lo <= BS * b && full_hi >= BS * b + BS) {
             for (int j = 0; j < BS; ++j) {
                 const VF pj = vload(p + j * kLanes);
@@ -717,13 +744,17 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
     const auto full = [&](int b) { return full_lo <= BS * b && full_hi >= BS * b + BS; };
     // Pass 1: scores, and each row's max over the keys it sees.
     VF mx = vset1(-INFINITY);
+    // The keys' rows are scattered (kv_heads apart, blocks anywhere): the prefetcher would not guess them. Ask
+    // for kLanePrefetch blocks ahead, into L2.
+    const auto prefetch_keys = [&](int b) {
+        const char* keys = reinterpret_cast<const char*>(block_of(a.k_cache, b));
+        for (int j = 0; j < BS; ++j)
+            for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(keys + j * stride * 4 + o, 0, 2);
+    };
+    for (int b = b_lo; b < std::min(b_hi, b_lo + kLanePrefetch); ++b) prefetch_keys(b);
     for (int b = b_lo; b < b_hi; ++b) {
         const float* kb = block_of(a.k_cache, b);
-        if (b + 1 < b_hi) {  // the next block's keys (its rows are scattered: the prefetcher would not guess them)
-            const char* next = reinterpret_cast<const char*>(block_of(a.k_cache, b + 1));
-            for (int j = 0; j < BS; ++j)
-                for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(next + j * stride * 4 + o, 0, 3);
-        }
+        if (b + kLanePrefetch < b_hi) prefetch_keys(b + kLanePrefetch);
         float* s = w + (b - b_lo) * BS * kLanes;
         for (int j0 = 0; j0 < BS; j0 += kChunk)
             with_count<kChunk>(std::min(kChunk, BS - j0), [&](auto N) {
@@ -747,10 +778,13 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
             vstore(ls + j * kLanes, vadd(vload(ls + j * kLanes), pj));
         }
     }
-    for (int d0 = 0; d0 < D; d0 += kChunk)
-        with_count<kChunk>(std::min(kChunk, D - d0), [&](auto N) {
-            lane_values<N.value, D>(a, ik.table, kvh, b_lo, b_hi, full_lo, full_hi, vlo, vhi, w, d0, acc);
-        });
+    for (int b0 = b_lo; b0 < b_hi; b0 += kValueBlocks) {
+        const int b1 = std::min(b_hi, b0 + kValueBlocks);
+        for (int d0 = 0; d0 < D; d0 += kChunk)
+            with_count<kChunk>(std::min(kChunk, D - d0), [&](auto N) {
+                lane_values<N.value, D>(a, ik.table, kvh, b_lo, b_hi, b0, b1, full_lo, full_hi, vlo, vhi, w, d0, acc);
+            });
+    }
     for (int h = BS / 2; h >= 1; h /= 2)  // the sums' halving tree over the key lanes
         for (int j = 0; j < h; ++j) vstore(ls + j * kLanes, vadd(vload(ls + j * kLanes), vload(ls + (j + h) * kLanes)));
     for (int l = 0; l < rows; ++l) {
