@@ -115,9 +115,7 @@ class KVCacheManager:
             none_hash=self.none_hash,
         )
 
-    def get_computed_blocks(
-        self, request: CacheRequest, in_flight: Collection[int] = ()
-    ) -> ComputedBlocks:
+    def get_computed_blocks(self, request: CacheRequest, in_flight: Collection[int] = ()) -> ComputedBlocks:
         """The longest run of cached blocks from the start of the request, then the longest run of the next
         block's tokens whose KV some block holds (the tail), capped so that at least the request's last token
         is computed (its logits are needed). Takes no references and records no stats: those are recorded by
