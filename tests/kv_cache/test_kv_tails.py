@@ -187,3 +187,24 @@ def test_in_a_public_block_a_tenant_gets_no_tail_from_a_prompt_that_left_the_pre
     unsalted = FakeRequest("u", list(prompt), mgr.make_hasher(None, prompt))
     assert mgr.get_computed_blocks(unsalted).num_tokens == 6  # the shared namespace shares all of it
     release(mgr)
+
+
+def test_a_pass_made_while_a_step_runs_never_reuses_the_blocks_that_step_is_writing() -> None:
+    """The engine's express passes (engine.express) run inside a step: the blocks that step's pass cached
+    (`last_pass_cached`) are not computed yet, so neither a full-block hit nor a tail may come from them. After
+    the step they are hits like any other."""
+    mgr = KVCacheManager(16, BS)
+    a = make_req(mgr, "a", range(10))  # blocks 0-1 full (cached by this pass), 2 tokens in block 2
+    admit(mgr, a)
+    mgr.end_pass()
+    in_flight = mgr.last_pass_cached
+    a_blocks = mgr.get_block_ids("a")
+    assert in_flight == frozenset(a_blocks[:2])
+    b = make_req(mgr, "b", [*range(10), 77])
+    assert mgr.get_computed_blocks(b, in_flight) == ComputedBlocks([], 0, 11, 0, None)
+    c = make_req(mgr, "c", [0, 1, 2, 99])  # would reuse 3 tokens of a's block 0 as a tail
+    assert mgr.get_computed_blocks(c, in_flight).num_tokens == 0
+    # The step is over: the same lookups hit.
+    assert mgr.get_computed_blocks(b).block_ids == a_blocks[:2]
+    assert mgr.get_computed_blocks(c) == ComputedBlocks([], 3, 4, 0, TailHit(a_blocks[0], 3))
+    release(mgr, a)
