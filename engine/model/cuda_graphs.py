@@ -63,7 +63,7 @@ class StaticPlan:
     q_lim: torch.Tensor  # [rows] int64
     out_rows: torch.Tensor  # [bucket] int64
     kv_num: torch.Tensor  # [bucket] int64
-    kv_idx: torch.Tensor  # [bucket, max_blocks] int64 (only the first kv_num[k] of row k are meaningful)
+    kv_idx: torch.Tensor  # [max_blocks, bucket] int64 (only the first kv_num[k] of column k are meaningful)
     kv_num32: torch.Tensor  # [1, 1, bucket] int32: what the BlockMask reads
     kv_idx32: torch.Tensor  # [1, 1, bucket, max_blocks] int32
     block_mask: BlockMask  # over the two above
@@ -139,7 +139,7 @@ class StaticFlexAttention:
             view("q_lim"),
             view("out_rows"),
             view("kv_num"),
-            view("kv_idx").view(b, m),
+            view("kv_idx").view(m, b),
             kv_num32,
             kv_idx32,
             mask,
@@ -149,14 +149,14 @@ class StaticFlexAttention:
         """Device work that turns the staged int64 fields into what the kernel reads (captured in the graph)."""
         rows = plan.layout.rows
         plan.kv_num32.view(-1).copy_(plan.kv_num)
-        plan.kv_idx32[0, 0].copy_(plan.kv_idx)
+        plan.kv_idx32[0, 0].copy_(plan.kv_idx.t())
         self.q_pos[:rows].copy_(plan.q_pos)
         self.q_lim[:rows].copy_(plan.q_lim)
-        # block_pos[kv_idx[k, j]] = j for j < kv_num[k]; other columns land on the spare last entry.
-        cols = torch.arange(plan.layout.max_blocks, device=self.device)[None, :]
-        used = cols < plan.kv_num[:, None]
-        target = torch.where(used, plan.kv_idx, self.num_blocks)
-        self.block_pos.index_copy_(0, target.reshape(-1), cols.expand_as(target).reshape(-1).to(torch.int32))
+        # block_pos[kv_idx[j, k]] = j for j < kv_num[k]; other entries (stale) land on the spare last one.
+        logical = torch.arange(plan.layout.max_blocks, device=self.device)[:, None]  # [max_blocks, 1]
+        target = torch.where(logical < plan.kv_num[None, :], plan.kv_idx, self.num_blocks)
+        values = logical.expand_as(target).to(torch.int32)
+        self.block_pos.index_copy_(0, target.reshape(-1), values.reshape(-1))
 
     def plan(self, meta: AttentionMetadata) -> StaticPlan:
         raise RuntimeError(
@@ -266,12 +266,13 @@ class GraphRunner:
             bk.copied.synchronize()  # the previous copy out of this pinned buffer has run (normally long ago)
         buf = bk.host.numpy()
         fill_tokens(buf, bk.layout, step)
-        if bk.plan is not None:
-            fill_flex_plan(buf, bk.layout, step, self.block_size, self.is_causal)
+        n = bk.host.numel()
+        if bk.plan is not None:  # the copy stops after the step's longest block list (graph_plan)
+            n = fill_flex_plan(buf, bk.layout, step, self.block_size, self.is_causal)
         if self.device.type == "cpu":
-            bk.dev.copy_(bk.host)
+            bk.dev[:n].copy_(bk.host[:n])
             return
-        bk.dev.copy_(bk.host, non_blocking=True)
+        bk.dev[:n].copy_(bk.host[:n], non_blocking=True)
         if bk.copied is None:
             bk.copied = torch.cuda.Event()
         bk.copied.record()

@@ -94,7 +94,8 @@ class StaticLayout:
     Tokens: input_ids, positions, slots, logits_rows ([bucket] each). Attention: q_src, q_pos, q_lim
     ([bucket * Q_BLOCK] each: per query row, the token feeding it, its position, the last key position it
     may see), out_rows ([bucket]: the query row answering each token), kv_num ([bucket]: blocks per tile) and
-    kv_idx ([bucket, max_blocks]: each tile's blocks in logical order)."""
+    kv_idx ([max_blocks, bucket]: column k lists tile k's blocks in logical order). kv_idx is last and
+    column-major, so a step's entries end after its longest list: the copy stops there (`fill_flex_plan`)."""
 
     bucket: int
     max_blocks: int
@@ -140,9 +141,10 @@ def fill_tokens(buf: np.ndarray, layout: StaticLayout, step: PaddedStep) -> None
 
 def fill_flex_plan(
     buf: np.ndarray, layout: StaticLayout, step: PaddedStep, block_size: int, is_causal: bool = True
-) -> None:
-    """Writes FlexAttention's batch-invariant plan of the padded step into `buf` (see the module docstring).
-    Only the first kv_num[k] columns of tile k's kv_idx row are written: the kernel reads no others, and
+) -> int:
+    """Writes FlexAttention's batch-invariant plan of the padded step into `buf` (see the module docstring)
+    and returns how many entries of `buf`, from its start, hold this step's data (what must be copied).
+    Only the first kv_num[k] entries of tile k's kv_idx list are written: the kernel reads no others, and
     the device-side scatter of block positions skips them. Raises ValueError where a request's context needs
     more than `layout.max_blocks` blocks."""
     rows_src: list[np.ndarray] = []
@@ -151,7 +153,7 @@ def fill_flex_plan(
     out_rows = np.empty(step.bucket, dtype=np.int64)
     kv_num = np.empty(layout.bucket, dtype=np.int64)
     s0, _ = layout.span("kv_idx")
-    kv_idx = buf[s0 : s0 + layout.bucket * layout.max_blocks].reshape(layout.bucket, layout.max_blocks)
+    kv_idx = buf[s0 : s0 + layout.bucket * layout.max_blocks].reshape(layout.max_blocks, layout.bucket).T
     start = rows = tile = 0
     for n, ctx, table in zip(step.query_lens, step.context_lens, step.block_tables, strict=True):
         first = ctx - n
@@ -189,3 +191,4 @@ def fill_flex_plan(
     for name, values in fields.items():
         s, n = layout.span(name)
         buf[s : s + n] = values
+    return s0 + int(kv_num.max()) * layout.bucket
