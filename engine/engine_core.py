@@ -109,15 +109,16 @@ class EngineCore:
         self.kv_event_sink = kv_event_sink
         self.scheduler = Scheduler(self.kv_manager, config, eos_token_ids=tokenizer.eos_token_ids)
         # The express lane (engine.express), where the runner pauses between layers; not with LoRA (the
-        # adapters' row groups are the step's own state) nor KV tiers (the tiers' writer takes a step's blocks
-        # when it ends, and would take the blocks of a pass made inside it before that step computed them).
+        # adapters' row groups are the step's own state).
         self.scheduler.express_enabled = (
             config.express_lane
             and bool(getattr(runner, "yields_between_layers", False))
             and getattr(runner, "lora", None) is None
-            and self.tiers is None
         )
         self._pacer = ExpressPacer()
+        # Requests that failed in an express pass made inside the step in flight: their cached blocks were not
+        # computed, and that step's end hands the tiers every block cached meanwhile (see _run).
+        self._failed_inside: set[str] = set()
         self.max_model_len = self.scheduler.max_model_len
         self.num_blocks = runner.num_blocks  # the KV pool's size, in blocks of block_size tokens
         self.block_size = runner.block_size
@@ -315,7 +316,7 @@ class EngineCore:
                 def hook() -> None:
                     if self._pacer.due():
                         between.poll()
-                        outputs = self._express_pass(in_flight)
+                        outputs = self._express_pass(in_flight, inside=True)
                         served[0] = served[0] or bool(outputs)
                         between.emit(outputs)
 
@@ -324,17 +325,22 @@ class EngineCore:
             outputs += self._express_pass(frozenset())  # held out of the step: their token now
         return outputs
 
-    def _express_pass(self, in_flight: frozenset[int]) -> list[RequestOutput]:
+    def _express_pass(self, in_flight: frozenset[int], inside: bool = False) -> list[RequestOutput]:
+        """`inside`: made during a pause of the main step (which writes the `in_flight` blocks)."""
         sched_out = self.scheduler.schedule_express(in_flight)
         if sched_out is None:
             return []
         with self._pacer.timing():
-            return self._run(sched_out)
+            return self._run(sched_out, inside=inside)
 
     def _run(
-        self, sched_out: SchedulerOutput, between_layers: Callable[[], None] | None = None
+        self,
+        sched_out: SchedulerOutput,
+        between_layers: Callable[[], None] | None = None,
+        inside: bool = False,
     ) -> list[RequestOutput]:
-        """Runs a scheduled step and applies its results: the outputs of its requests."""
+        """Runs a scheduled step and applies its results: the outputs of its requests. `inside`: an express
+        pass inside a paused step, which leaves the tiers' writes to that step's end."""
         now = time.monotonic()
         for sr in sched_out.scheduled:
             req = self.scheduler.requests[sr.request_id]
@@ -345,9 +351,14 @@ class EngineCore:
             if sched_out.scheduled
             else RunnerOutput({})
         )
-        if self.tiers is not None:
+        if self.tiers is not None and inside:
+            # The blocks cached so far include the paused step's, not computed yet: they all go out at its end
+            # (a pinned block is never reused meanwhile), but for those this pass failed to compute.
+            self._failed_inside.update(result.errors)
+        elif self.tiers is not None:
             # The step computed the blocks its pass cached: copy them out (off this thread).
-            self.tiers.submit_writes(self.kv_manager.take_writes(result.errors))
+            failed, self._failed_inside = self._failed_inside | set(result.errors), set()
+            self.tiers.submit_writes(self.kv_manager.take_writes(failed))
             if not sched_out.scheduled:
                 self.tiers.wait(0.002)  # only loads or writes pending: don't spin
         updates = self.scheduler.update(sched_out, result)

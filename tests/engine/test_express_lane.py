@@ -222,9 +222,11 @@ def test_without_a_driver_or_with_the_lane_off_the_held_out_decodes_still_run() 
 
 
 @pytest.mark.slow
-def test_the_lane_changes_no_token_or_logprob_on_the_default_model() -> None:
+@pytest.mark.parametrize("host_tier", [False, True], ids=["pool", "host-tier"])
+def test_the_lane_changes_no_token_or_logprob_on_the_default_model(host_tier: bool) -> None:
     """The real runner (native stack, pauses between layers): requests served in express passes inside a
-    flood's steps give the bits of the same requests run alone."""
+    flood's steps give the bits of the same requests run alone; with a host KV tier too (its writer takes the
+    blocks of a paused step and of the passes inside it at that step's end), and every block comes back."""
     from engine.config import EngineConfig
     from engine.errors import ModelNotFoundError
     from engine.model.loading.files import resolve_model
@@ -235,7 +237,8 @@ def test_the_lane_changes_no_token_or_logprob_on_the_default_model() -> None:
         path = str(resolve_model(None).path)
     except ModelNotFoundError as exc:
         pytest.skip(f"default model not available here: {exc}")
-    config = EngineConfig(model=path, device="cpu", num_blocks=512, max_num_seqs=32)
+    tier = 64 * 2**20 if host_tier else None
+    config = EngineConfig(model=path, device="cpu", num_blocks=512, max_num_seqs=32, kv_host_memory=tier)
     runner = ModelRunner(config)
     assert runner.yields_between_layers
     tokenizer = Tokenizer(path)
@@ -254,6 +257,7 @@ def test_the_lane_changes_no_token_or_logprob_on_the_default_model() -> None:
         outs = run_to_completion(c)
         solo[rid] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs if o.request_id == rid]
     c = core()
+    assert c.scheduler.express_enabled and (c.tiers is not None) == host_tier
     events: list[RequestOutput] = []
     in_pauses: list[str] = []
 
