@@ -293,3 +293,49 @@ def _step_bs16(batch):
         [s + len(n) for n, s, _ in batch],
         [t for _, _, t in batch],
     )
+
+
+def test_runner_with_a_graph_runner_gives_the_same_outputs_on_cpu(tiny_model):
+    """The runner's CUDA-only wiring (`_graphed`, the padded run, sampling from the padded logits), exercised
+    on CPU by handing a CPU runner a GraphRunner over its own attention: every step's tokens and logprobs are
+    those of the plain runner (steps over 64 tokens and prompt-logprob steps still run eagerly)."""
+    from test_model_runner import Driver
+
+    from engine.sampling_params import SamplingParams
+
+    tiny = tiny_model("llama")
+
+    def make(graphed: bool) -> ModelRunner:
+        cfg = EngineConfig(model=str(tiny.path), device="cpu", dtype="float32", block_size=BS, num_blocks=96)
+        r = ModelRunner(cfg)
+        if graphed:
+            kv = r.kv_store
+            r.graphs = GraphRunner(r.model, kv.k_caches, kv.v_caches, r.attn_backend, BS, 256, BUCKETS)
+            run = r.graphs.run
+
+            def counted(step: PaddedStep) -> torch.Tensor:
+                buckets_run.append(step.bucket)
+                return run(step)
+
+            r.graphs.run = counted  # type: ignore[method-assign]
+        return r
+
+    buckets_run: list[int] = []
+    results = []
+    for graphed in (False, True):
+        drv = Driver(make(graphed), chunk=70, seed=3)
+        prompt = [(7 * i) % 120 + 1 for i in range(75)]
+        drv.add("long", prompt, SamplingParams(temperature=0.0, logprobs=2), max_len=96)
+        drv.add("seeded", [3, 4, 5], SamplingParams(temperature=0.8, seed=11, logprobs=1))
+        drv.add("greedy", [9, 8, 7, 6, 5], SamplingParams(temperature=0.0), max_len=32)
+        drv.add("prompt_lp", [1, 2, 3, 4], SamplingParams(temperature=0.0, prompt_logprobs=1), max_len=32)
+        steps = []
+        for i in range(8):
+            if i == 3:
+                drv.reqs.pop("prompt_lp")  # later steps have no prompt logprobs left: graphed where short
+            result = drv.step()
+            steps.append((dict(result.logprobs), result.errors))
+        results.append((steps, {k: r["out"] for k, r in drv.reqs.items()}))
+    assert results[0] == results[1]
+    # all but the first step (82 tokens) ran padded: 8 tokens, then 3 or 4 (bucket 4)
+    assert len(buckets_run) == 7 and set(buckets_run) == {4, 8}
