@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -196,6 +197,7 @@ class StaticFlexAttention:
 class _Bucket:
     layout: StaticLayout
     host: torch.Tensor  # [size] int64, pinned on CUDA: the step's inputs as staged
+    host_np: np.ndarray  # the same memory, as numpy (made once: the fill is numpy's)
     dev: torch.Tensor  # [size] int64 on the device: their one copy
     plan: StaticPlan | None  # None on the dynamic (any backend) path
     graph: torch.cuda.CUDAGraph | None = None
@@ -241,7 +243,7 @@ class GraphRunner:
             host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
             dev = torch.zeros(size, dtype=torch.int64, device=self.device)
             plan = attention.bind(dev, layout) if isinstance(attention, StaticFlexAttention) else None
-            self._buckets[b] = _Bucket(layout, host, dev, plan)
+            self._buckets[b] = _Bucket(layout, host, host.numpy(), dev, plan)
 
     def bucket(self, num_tokens: int, max_context: int) -> int | None:
         """The bucket a step of `num_tokens` tokens whose longest context is `max_context` runs at, or None."""
@@ -262,9 +264,11 @@ class GraphRunner:
 
     def _stage(self, bk: _Bucket, step: PaddedStep) -> None:
         """Fills the host buffer and sends it with the step's one host->device copy."""
-        if bk.copied is not None:
-            bk.copied.synchronize()  # the previous copy out of this pinned buffer has run (normally long ago)
-        buf = bk.host.numpy()
+        # The previous copy out of this pinned buffer must have run before it is refilled. In the engine it
+        # always has (each step ends with a sync), so query() answers without waiting, and nothing syncs.
+        if bk.copied is not None and not bk.copied.query():
+            bk.copied.synchronize()
+        buf = bk.host_np
         fill_tokens(buf, bk.layout, step)
         n = bk.host.numel()
         if bk.plan is not None:  # the copy stops after the step's longest block list (graph_plan)
