@@ -279,6 +279,7 @@ class BrineSide:
             "build_s": round(self.build_s, 2),
             "attention": r.attention_backend,
             "cuda_graphs": graphs.captured if graphs is not None else "off",
+            "cuda_graphs_capture_s": round(graphs.capture_s, 2) if graphs and graphs.capture_s else None,
             "weights_bytes": weights_bytes(r.model),
             "kv_blocks": r.num_blocks,
         }

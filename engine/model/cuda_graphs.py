@@ -236,6 +236,7 @@ class GraphRunner:
         self.max_context = -(-max_model_len // block_size) * block_size
         self.max_blocks = self.max_context // block_size
         self._buckets: dict[int, _Bucket] = {}
+        self.capture_s: float | None = None  # set by capture()
         static = isinstance(attention, StaticFlexAttention)
         for b in self.buckets:
             layout = StaticLayout(b, self.max_blocks if static else 0)
@@ -319,6 +320,6 @@ class GraphRunner:
             torch.cuda.synchronize(self.device)
             bk.graph = graph
             logger.info("CUDA graph for %d tokens captured in %.2f s", b, time.perf_counter() - t0)
-        seconds = time.perf_counter() - t_all
+        seconds = self.capture_s = time.perf_counter() - t_all
         logger.info("CUDA graphs: %d buckets %s captured in %.1f s", len(self.buckets), self.buckets, seconds)
         return seconds
