@@ -310,8 +310,15 @@ class GraphRunner:
             bk = self._buckets[b]
             dummy = pad_step(b, [0], [0], [0], [0], [1], [1], [[0]])
             self._stage(bk, dummy)
-            for _ in range(2):  # the first run compiles FlexAttention for this shape
-                self._forward(bk)
+            # Warm-up on a side stream, as torch's capture recipe says (lazy per-stream state, such as cuBLAS
+            # workspaces, is then made outside the capture); the first run compiles FlexAttention.
+            main = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(bk)
+            main.wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread of the process (grammar masks, detokenizer) may touch CUDA meanwhile.
