@@ -8,15 +8,19 @@ token or logprob.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
 from engine_fakes import FakeRunner, collect, make_core, run_to_completion
 
+from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.express import ExpressPacer
 from engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
-from engine.request import Origin
+from engine.request import Origin, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EXPRESS_MAX_ROWS, PREFILL_STEP_MIN_RUNNING
 from kv_cache.namespace import CacheNamespace
@@ -219,6 +223,93 @@ def test_without_a_driver_or_with_the_lane_off_the_held_out_decodes_still_run() 
     assert collect(seen, "victim")[0]["finish_reason"] == "length"
     off = make_core(PausingRunner(num_blocks=4096, block_size=4), express_lane=False)
     assert not off.scheduler.express_enabled
+
+
+@dataclass
+class GatedRunner(PausingRunner):
+    """Once armed, blocks a main step at its first pause until `go` is set, and records at that step's end
+    what the engine had taken from its inbox meanwhile."""
+
+    armed: bool = False
+    paused: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+    core: EngineCore | None = None
+    seen_at_end: dict[str, object] = field(default_factory=dict)
+
+    def execute(self, out: SchedulerOutput, between_layers=None) -> RunnerOutput:  # type: ignore[override]
+        if not (self.armed and between_layers is not None):
+            return super().execute(out, between_layers)
+        self.armed = False
+        first = [True]
+
+        def gate() -> None:
+            if first[0]:
+                first[0] = False
+                self.paused.set()
+                assert self.go.wait(10)
+            between_layers()
+
+        result = super().execute(out, gate)
+        assert self.core is not None
+        requests = self.core.scheduler.requests
+        victim = requests.get("victim")
+        self.seen_at_end = {
+            "f0": requests["f0"].status if "f0" in requests else None,
+            "victim_tokens": victim.num_output_tokens if victim is not None else 0,
+            "late": "late" in requests,
+        }
+        return result
+
+
+async def test_a_pause_takes_new_requests_but_leaves_an_abort_and_all_after_it_for_the_steps_end() -> None:
+    """Through AsyncEngine: an abort may free blocks the paused step is writing, so the pause takes the
+    requests queued before it and nothing after; the rest is applied once the step is over, in order."""
+    runner = GatedRunner(num_blocks=4096, block_size=4)
+    core = make_core(runner, max_num_seqs=64, max_num_batched_tokens=256)
+    runner.core = core
+    engine = AsyncEngine(core, core.tokenizer, model_name="fake")  # type: ignore[arg-type]
+    flood_started = asyncio.Event()
+
+    async def stream(rid: str, tokens: list[int], max_tokens: int, origin: Origin) -> tuple[int, str]:
+        """(tokens received, finish reason)"""
+        got, reason = 0, ""
+        async for out in engine.generate(tokens, params(max_tokens), request_id=rid, origin=origin):
+            got += len(out.outputs[0].token_ids)
+            reason = str(out.outputs[0].finish_reason)
+            flood_started.set()
+        return got, reason
+
+    try:
+        flood = [
+            asyncio.create_task(stream(f"f{i}", prompt(6, start=i), 300, FLOOD))
+            for i in range(PREFILL_STEP_MIN_RUNNING + 4)
+        ]
+        await flood_started.wait()
+        runner.armed = True
+        assert await asyncio.to_thread(runner.paused.wait, 10)  # a main step is now held at its first pause
+        victim = asyncio.create_task(stream("victim", prompt(5, start=200), 4, VICTIM))
+        await asyncio.sleep(0.05)  # its add queued
+        await engine.abort("f0")
+        late = asyncio.create_task(stream("late", prompt(5, start=220), 4, Origin(CacheNamespace(salt="c"))))
+        await asyncio.sleep(0.05)
+        runner.go.set()
+        assert (await victim)[0] == 4 and (await late)[0] == 4
+        aborted, reason = await asyncio.wait_for(flood[0], 5)
+        assert aborted < 300 and "abort" in reason.lower()
+        # At the paused step's end: the victim had its first token (taken at the pause), the abort and the
+        # request queued after it had not been applied.
+        assert runner.seen_at_end["victim_tokens"] >= 1
+        assert runner.seen_at_end["f0"] is RequestStatus.RUNNING
+        assert runner.seen_at_end["late"] is False
+        for task in flood[1:]:
+            task.cancel()
+        await asyncio.gather(*flood[1:], return_exceptions=True)
+        deadline = time.monotonic() + 5
+        while engine.num_used_blocks() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert engine.num_used_blocks() == 0 and engine.is_healthy()
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.slow
