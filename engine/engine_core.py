@@ -108,12 +108,9 @@ class EngineCore:
             self.kv_manager.attach_tiers(self.tiers)
         self.kv_event_sink = kv_event_sink
         self.scheduler = Scheduler(self.kv_manager, config, eos_token_ids=tokenizer.eos_token_ids)
-        # The express lane (engine.express), where the runner pauses between layers; not with LoRA (the
-        # adapters' row groups are the step's own state).
-        self.scheduler.express_enabled = (
-            config.express_lane
-            and bool(getattr(runner, "yields_between_layers", False))
-            and getattr(runner, "lora", None) is None
+        # The express lane (engine.express), where the runner pauses between layers.
+        self.scheduler.express_enabled = config.express_lane and bool(
+            getattr(runner, "yields_between_layers", False)
         )
         self._pacer = ExpressPacer()
         # Requests that failed in an express pass made inside the step in flight: their cached blocks were not

@@ -208,7 +208,8 @@ class LoRAManager:
     @contextlib.contextmanager
     def step(self, reqs: Sequence[object]) -> Iterator[None]:
         """Sets the row groups of a step whose requests (ScheduledRequest: `new_token_ids`, `lora`) are laid
-        out in this order, for the duration of its forward."""
+        out in this order, for the duration of its forward; then restores the groups it found, so that an
+        express step run inside another step's pause (engine.express) hands that step back its own."""
         rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
         row0 = 0
         for r in reqs:
@@ -217,6 +218,7 @@ class LoRAManager:
             if adapter is not None:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(row0, row0 + n))
             row0 += n
+        outer = self.current.groups
         self.current.groups = [
             (adapter, torch.tensor(ids, dtype=torch.int64, device=self.device))
             for adapter, ids in sorted(rows.values(), key=lambda g: g[0].lora_id)
@@ -224,4 +226,4 @@ class LoRAManager:
         try:
             yield
         finally:
-            self.current.groups = []
+            self.current.groups = outer

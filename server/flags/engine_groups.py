@@ -205,7 +205,7 @@ def add_scheduler_flags(s: argparse.ArgumentParser) -> None:
         help="on CPU, a long step pauses between decoder layers to run a short step for owners (tenants, "
         "salts) running only a few sequences: a new owner's first token and a small owner's next ones beside "
         "a flood come at about twice their idle pace instead of the flood's, and the flood keeps at least half "
-        "of the machine. Same tokens either way (default: on; not with --enable-lora)",
+        "of the machine. Same tokens either way (default: on)",
     )
 
 

@@ -137,6 +137,51 @@ def test_mixed_batch_gives_every_request_its_solo_answer(engine, adapters):
     assert len({alone[0][0], alone[1][0]}) == 2
 
 
+def test_express_steps_inside_an_adapters_flood_give_every_request_its_solo_answer(adapters):
+    """The express lane (engine.express) with LoRA: while 16 greedy streams on adapter "a" run, requests on
+    adapter "b" and on the base model arrive and are served in express steps inside the flood's steps (the
+    Python layers pause too). The step inside must hand the paused one back its own row groups: every flood
+    stream and every newcomer gives its solo answer."""
+    flood_prompt, flood_tokens = [5, 6, 7, 100], 32
+    work = [(PROMPT, "b"), (PROMPT[:23], None)]
+    cold = make_engine(adapters, enable_prefix_caching=False)
+    try:
+        alone = [asyncio.run(answer(cold, p, n))[:2] for p, n in work]
+        flood_alone = asyncio.run(answer(cold, flood_prompt, "a", flood_tokens))[:2]
+    finally:
+        cold.shutdown()
+    eng = make_engine(adapters, max_num_seqs=32)
+    core = eng._core
+    assert core.scheduler.express_enabled
+    ran_inside: list[str] = []
+    express_pass = core._express_pass
+
+    def recording(in_flight, inside=False):  # the test's window on where each request ran
+        outputs = express_pass(in_flight, inside)
+        if inside:
+            ran_inside.extend(o.request_id for o in outputs)
+        return outputs
+
+    core._express_pass = recording
+
+    async def run():
+        floods = [asyncio.create_task(answer(eng, flood_prompt, "a", flood_tokens)) for _ in range(16)]
+        # The newcomers arrive once all 16 decode (a read of the step thread's list: only its length).
+        while len(core.scheduler.running) < 16:
+            await asyncio.sleep(0.005)
+        got = await asyncio.gather(*(answer(eng, p, n) for p, n in work))
+        return got, await asyncio.gather(*floods)
+
+    try:
+        got, floods = asyncio.run(run())
+        assert [a[:2] for a in got] == alone
+        assert all(f[:2] == flood_alone for f in floods)
+        assert ran_inside  # some ran inside the flood's steps
+        assert eng.num_used_blocks() == 0
+    finally:
+        eng.shutdown()
+
+
 def test_cached_blocks_never_cross_adapters(engine, adapters):
     prompt = list(range(2000, 2050))
     assert asyncio.run(answer(engine, prompt, None))[2] == 0
