@@ -457,7 +457,7 @@ inline void with_rows(int rows, F&& f) {
 // 1.4x slower. The portable build keeps one block at a time (unmeasured there).
 constexpr int blocks_at_once(int rows) {
 #if defined(BRINE_SIMD_AVX512)
-    return rows <= 2 ? 4 : rows <= 6 ? 2 : 1;
+    return rows <= 1 ? 4 : rows <= 6 ? 2 : 1;  // (4 beside 2 rows: the int8 head 1.5x slower, its 4 blocks spilled)
 #elif defined(BRINE_SIMD_AVX2)
     return rows <= 1 ? 4 : rows <= 2 ? 2 : 1;
 #else
