@@ -49,7 +49,7 @@ from engine.model.graph_plan import (
 from engine.model.models.context import ForwardContext
 
 if TYPE_CHECKING:  # imported lazily at run time, as attention.flex does
-    from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions
+    from torch.nn.attention.flex_attention import BlockMask
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class StaticFlexAttention:
     ) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        from engine.model.attention.flex import cuda_kv_tile
+        from engine.model.attention.flex import kernel_options
 
         self.device, self.num_blocks, self.block_size = device, num_blocks, block_size
         # Shared by every bucket (replays run one at a time on one stream): one mask_mod, one compiled kernel.
@@ -100,14 +100,7 @@ class StaticFlexAttention:
 
         self._mask_mod = mask_mod
         self._flex = torch.compile(flex_attention, fullgraph=True) if compile else flex_attention
-        self._kernel_options: FlexKernelOptions | None = None
-        if device.type == "cuda":
-            tile = cuda_kv_tile(block_size)
-            if tile is None:
-                raise ValueError(
-                    f"FlexAttention on CUDA needs a block size that is a multiple of 16: {block_size}"
-                )
-            self._kernel_options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": tile}
+        self._kernel_options = kernel_options(device, block_size)  # FlexBackend's: the same kernel
 
     def bind(self, buf: torch.Tensor, layout: StaticLayout) -> StaticPlan:
         """The plan over one bucket's device buffer `buf` (int64, `layout.size`)."""

@@ -60,6 +60,19 @@ def cuda_kv_tile(block_size: int) -> int | None:
     return tile if tile >= 16 else None
 
 
+def kernel_options(device: torch.device, block_size: int) -> FlexKernelOptions | None:
+    """The fixed tiles flex runs with on CUDA (BLOCK_M = Q_BLOCK, BLOCK_N = the block's key tile), so that a
+    row's reduction order never depends on the step; None elsewhere. ValueError for a block size with no tile."""
+    if device.type != "cuda":
+        return None
+    tile = cuda_kv_tile(block_size)
+    if tile is None:
+        raise ValueError(
+            f"FlexAttention on CUDA needs a block size that is a multiple of 16, not {block_size}"
+        )
+    return {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": tile}
+
+
 @dataclass(slots=True)
 class TilePlan:
     """Host-side block lists for one request and one sliding window."""
@@ -169,14 +182,7 @@ class FlexBackend:
                 dynamo_config.fail_on_recompile_limit_hit = True
         # fullgraph: a graph break would run flex eagerly, which densifies the whole cache.
         self._flex = torch.compile(flex_attention, fullgraph=True) if use_compile else flex_attention
-        self._kernel_options: FlexKernelOptions | None = None
-        if device.type == "cuda":
-            tile = cuda_kv_tile(block_size)
-            if tile is None:
-                raise ValueError(
-                    f"FlexAttention on CUDA needs a block size that is a multiple of 16, not {block_size}"
-                )
-            self._kernel_options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": tile}
+        self._kernel_options = kernel_options(device, block_size)
         self.failed: str | None = None  # set when flex could not run; the reference path serves instead
         self.succeeded = False  # flex ran at least once
 
