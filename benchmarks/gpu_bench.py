@@ -171,24 +171,10 @@ def random_load(model_path, device, dtype, pack=True, batch_invariant=True, quan
     """engine.model.loading.loader.load_model's construction, with random weights instead of a checkpoint
     (norms at 1, the rest N(0, 0.02), as transformers initialises a Llama)."""
     from engine.model.config import load_config
-    from engine.model.loading.loader import linear_plan
-    from engine.model.models import registry
+    from engine.model.loading.loader import empty_model
 
     cfg = load_config(Path(model_path))
-    spec = registry.lookup(cfg.architecture)
-    plan = linear_plan(
-        Path(model_path),
-        cfg,
-        spec.capabilities.quantized_linears,
-        device,
-        dtype,
-        pack=pack,
-        batch_invariant=batch_invariant,
-        quantized=False,
-    )
-    with torch.device("meta"):
-        model = spec.model_class(cfg, spec.capabilities, plan)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model, _ = empty_model(Path(model_path), cfg, device, dtype, pack, batch_invariant, quantized=False)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():

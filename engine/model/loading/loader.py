@@ -83,6 +83,34 @@ def _fused_module(ours: str) -> str | None:
     return module if module in ("self_attn.qkv_proj", "mlp.gate_up_proj") else None
 
 
+def empty_model(
+    model_dir: Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    pack: bool,
+    batch_invariant: bool,
+    quantized: bool,
+) -> tuple[LlamaForCausalLM, LinearPlan]:
+    """The registry's model for `cfg`, built on the meta device with its linear plan and then given
+    uninitialised storage on `device`, and that plan: the caller fills every weight, then calls
+    `finish_loading`."""
+    spec = registry.lookup(cfg.architecture)
+    plan = linear_plan(
+        model_dir,
+        cfg,
+        spec.capabilities.quantized_linears,
+        device,
+        dtype,
+        pack=pack,
+        batch_invariant=batch_invariant,
+        quantized=quantized,
+    )
+    with torch.device("meta"):
+        model = spec.model_class(cfg, spec.capabilities, plan)
+    return model.to(dtype=dtype).to_empty(device=device), plan
+
+
 def load_model(
     model_dir: Path | str,
     device: torch.device,
@@ -97,20 +125,7 @@ def load_model(
     `quantized_linears` (see loading.quantize); the other linears are packed."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
-    spec = registry.lookup(cfg.architecture)
-    plan = linear_plan(
-        model_dir,
-        cfg,
-        spec.capabilities.quantized_linears,
-        device,
-        dtype,
-        pack=pack,
-        batch_invariant=batch_invariant,
-        quantized=quantized,
-    )
-    with torch.device("meta"):
-        model = spec.model_class(cfg, spec.capabilities, plan)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model, plan = empty_model(model_dir, cfg, device, dtype, pack, batch_invariant, quantized)
     params = dict(model.named_parameters())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shard_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
