@@ -853,9 +853,11 @@ inline void transpose_keys(const float* kb, int64_t stride, float* kt) {
 }
 
 // Items of up to this many rows take attend_keys. AVX2 (a Zen 3 EPYC, one thread, attention_bench --baseline
-// --dtype float32 against attend_lanes): a decode over 2,000 tokens 1.84x faster (in DRAM 1.83x), over 8,000
-// 1.94x, verify chunks of 3 and 5 tokens (9 and 15 rows) 1.28x and 1.20x; same bits. More rows stay in
-// attend_lanes, whose score buffer is 16 rows at a time. The other tiers are unmeasured and keep their paths.
+// --dtype float32 against attend_lanes, quiet): a decode over 2,000 tokens 1.91x faster (in DRAM 1.87x), over
+// 8,000 in DRAM 1.89x, verify chunks of 3 and 5 tokens (9 and 15 rows) 1.33x and 1.10x; same bits. More rows
+// stay in attend_lanes, whose score buffer is 16 rows at a time. Splitting a decode's 3 units (KV heads) over 2
+// threads by phase (scores by key range, then weights and values by row: the same bits) measured no faster in
+// DRAM and 0.8x in cache, and was left out. The other tiers are unmeasured and keep their paths.
 #if defined(BRINE_SIMD_AVX2)
 constexpr int kKeyRowsMax = 16;
 #else
