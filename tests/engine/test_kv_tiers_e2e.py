@@ -14,11 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import kv_disk, kv_tiers
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv_disk import DiskTier
+from engine.model.device import resolve_dtype
 from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from kv_cache.namespace import CacheNamespace
@@ -133,7 +135,9 @@ async def test_disk_tier_survives_a_restart_for_the_same_setup_only(tmp_path: Pa
     finally:
         again.shutdown()
 
-    other_dtype = make(kv_disk_dir=str(d), dtype="float32")
+    # Another dtype than "auto" resolved to on this CPU (bfloat16 on AVX512-BF16, float32 on AVX2).
+    other = "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.float32 else "float32"
+    other_dtype = make(kv_disk_dir=str(d), dtype=other)
     try:
         assert (await run(other_dtype, DOC))[2] == 0
         await settle(other_dtype)
