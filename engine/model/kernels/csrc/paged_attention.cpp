@@ -102,7 +102,7 @@ struct Args {
     float scale;
 };
 
-#if BRINE_BF16_SCORES || defined(BRINE_SIMD_AVX512)
+#if BRINE_BF16_SCORES
 // A 16 x 16 matrix of dwords, row j in m[j], transposed in place (m[i] then holds column i): 32-bit, then 64-bit
 // unpacks within 128-bit lanes, then two rounds of 128-bit lane shuffles. 64 shuffles where element-wise copies
 // took 256 loads and stores (a 16-key block's keys for the bf16 scores: half of a decode step's attention).
@@ -672,6 +672,19 @@ constexpr int kValueBlocks = 8;  // 128 keys: 32 KB of float32 values at head_di
 // Blocks ahead that the float32 walks ask for: as many bytes in flight as kPrefetchBlocks of bfloat16 at head_dim 64.
 constexpr int kLanePrefetch = 8;
 
+// KV head kvh's rows of block b of a float32 cache with 16-key blocks (row j at j x kv_heads x D floats).
+inline const float* f32_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
+    return static_cast<const float*>(cache) + (static_cast<int64_t>(table[b]) * 16 * a.kv_heads + kvh) * D;
+}
+// Asks for those rows in L2: they are scattered (kv_heads apart, blocks anywhere), where the hardware prefetcher
+// would not guess them.
+inline void prefetch_f32_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
+    const char* p = reinterpret_cast<const char*>(f32_block(a, cache, table, b, kvh, D));
+    const int64_t stride = static_cast<int64_t>(a.kv_heads) * D * 4;
+    for (int j = 0; j < 16; ++j)
+        for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(p + j * stride + o, 0, 2);
+}
+
 template <int N, int D>
 inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, int b_hi, int b0, int b1, int full_lo,
                         int full_hi, simd::VF vlo, simd::VF vhi, const float* w, int d0, float* acc) {
@@ -680,17 +693,12 @@ inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, 
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
     VF o[N];
     for (int i = 0; i < N; ++i) o[i] = b0 == w_lo ? vzero() : vload(acc + (d0 + i) * kLanes);
-    const auto prefetch = [&](int b) {
-        const char* v = reinterpret_cast<const char*>(
-            static_cast<const float*>(a.v_cache) + (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D);
-        for (int j = 0; j < BS; ++j)
-            for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(v + j * stride * 4 + o, 0, 2);
-    };
+    const auto prefetch = [&](int b) { prefetch_f32_block(a, a.v_cache, table, b, kvh, D); };
     if (d0 == 0 && b0 == w_lo)  // see kLanePrefetch: the first chunk's walk asks for the blocks ahead
         for (int b = b0; b < std::min(b_hi, b0 + kLanePrefetch); ++b) prefetch(b);
     for (int b = b0; b < b1; ++b) {
         if (d0 == 0 && b + kLanePrefetch < b_hi) prefetch(b + kLanePrefetch);
-        const float* vb = static_cast<const float*>(a.v_cache) + (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D + d0;
+        const float* vb = f32_block(a, a.v_cache, table, b, kvh, D) + d0;
         const float* p = w + (b - w_lo) * BS * kLanes;
         if (full_lo <= BS * b && full_hi >= BS * b + BS) {
             for (int j = 0; j < BS; ++j) {
@@ -738,22 +746,14 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
         for (int d = 0; d < D; ++d) qT[d * kLanes + l] = l < rows ? load<kDtypeF32>(a.q, qo + d) * a.scale : 0.0f;
     }
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
-    const auto block_of = [&](const void* cache, int b) {
-        return static_cast<const float*>(cache) + (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
-    };
     const auto full = [&](int b) { return full_lo <= BS * b && full_hi >= BS * b + BS; };
     // Pass 1: scores, and each row's max over the keys it sees.
     VF mx = vset1(-INFINITY);
-    // The keys' rows are scattered (kv_heads apart, blocks anywhere): the prefetcher would not guess them. Ask
-    // for kLanePrefetch blocks ahead, into L2.
-    const auto prefetch_keys = [&](int b) {
-        const char* keys = reinterpret_cast<const char*>(block_of(a.k_cache, b));
-        for (int j = 0; j < BS; ++j)
-            for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(keys + j * stride * 4 + o, 0, 2);
-    };
+    // The keys' blocks, kLanePrefetch ahead, into L2.
+    const auto prefetch_keys = [&](int b) { prefetch_f32_block(a, a.k_cache, ik.table, b, kvh, D); };
     for (int b = b_lo; b < std::min(b_hi, b_lo + kLanePrefetch); ++b) prefetch_keys(b);
     for (int b = b_lo; b < b_hi; ++b) {
-        const float* kb = block_of(a.k_cache, b);
+        const float* kb = f32_block(a, a.k_cache, ik.table, b, kvh, D);
         if (b + kLanePrefetch < b_hi) prefetch_keys(b + kLanePrefetch);
         float* s = w + (b - b_lo) * BS * kLanes;
         for (int j0 = 0; j0 < BS; j0 += kChunk)
@@ -828,17 +828,11 @@ inline void transpose8x8(__m256 r[8]) {
 }
 #endif
 
-// kt[d * 16 + j] = kb[j * stride + d]: a block's 16 keys (rows of D floats, stride apart), transposed.
+// kt[d * 16 + j] = kb[j * stride + d]: a block's 16 keys (rows of D floats, stride apart), transposed. Only AVX2
+// takes attend_keys today (kKeyRowsMax); elsewhere the plain loops stand until a tier measures it.
 template <int D>
 inline void transpose_keys(const float* kb, int64_t stride, float* kt) {
-#if defined(BRINE_SIMD_AVX512)
-    for (int d0 = 0; d0 < D; d0 += 16) {
-        __m512i m[16];
-        for (int j = 0; j < 16; ++j) m[j] = _mm512_castps_si512(_mm512_loadu_ps(kb + j * stride + d0));
-        transpose16x16(m);
-        for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (d0 + d) * 16, _mm512_castsi512_ps(m[d]));
-    }
-#elif defined(BRINE_SIMD_AVX2)
+#if defined(BRINE_SIMD_AVX2)
     for (int d0 = 0; d0 < D; d0 += 8)
         for (int j0 = 0; j0 < 16; j0 += 8) {
             __m256 r[8];
@@ -865,12 +859,8 @@ constexpr int kKeyRowsMax = 0;
 #endif
 constexpr int kKeyRowGroup = 4;  // rows whose scores are computed together: independent fma chains
 // Output vectors per row in one walk over a run of blocks (16 dims each): AVX2's 16 ymm hold 8 (two per
-// vector) beside the operands; AVX512's 32 zmm more.
-#if defined(BRINE_SIMD_AVX512)
-constexpr int kKeyOutVecs = 8;
-#else
+// vector) beside the operands.
 constexpr int kKeyOutVecs = 4;
-#endif
 
 template <int N>
 inline void key_scores(const float* q, int D, const float* kt, simd::VF* s) {  // s[i] = the 16 keys' scores, row i
@@ -893,7 +883,7 @@ inline void key_values(const Args& a, const int32_t* table, int kvh, int D, int 
     VF o[N];
     for (int i = 0; i < N; ++i) o[i] = vload(acc + d0 + 16 * i);
     for (int b = b0; b < b1; ++b) {
-        const float* vb = static_cast<const float*>(a.v_cache) + (static_cast<int64_t>(table[b]) * BS * a.kv_heads + kvh) * D + d0;
+        const float* vb = f32_block(a, a.v_cache, table, b, kvh, D) + d0;
         const float* p = w + (b - b_lo) * BS;
         const int jlo = std::max(klo - BS * b, 0), jhi = std::min(khi - BS * b, BS);
         for (int j = jlo; j < jhi; ++j) {
@@ -926,20 +916,13 @@ void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>&
     for (int j = 0; j < kLanes; ++j) iota[j] = static_cast<float>(j);
     const VF lane = vload(iota);
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
-    const auto block_of = [&](const void* cache, int b) {
-        return static_cast<const float*>(cache) + (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
-    };
-    const auto prefetch = [&](const void* cache, int b) {  // see kLanePrefetch
-        const char* p = reinterpret_cast<const char*>(block_of(cache, b));
-        for (int j = 0; j < BS; ++j)
-            for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(p + j * stride * 4 + o, 0, 2);
-    };
+    const auto prefetch = [&](const void* cache, int b) { prefetch_f32_block(a, cache, ik.table, b, kvh, D); };
     // Pass 1: scores, and each row's max per key lane over the keys it sees.
     for (int r = 0; r < R; ++r) vstore(mx + r * kLanes, vset1(-INFINITY));
     for (int b = b_lo; b < std::min(b_hi, b_lo + kLanePrefetch); ++b) prefetch(a.k_cache, b);
     for (int b = b_lo; b < b_hi; ++b) {
         if (b + kLanePrefetch < b_hi) prefetch(a.k_cache, b + kLanePrefetch);
-        transpose_keys<D>(block_of(a.k_cache, b), stride, kt);
+        transpose_keys<D>(f32_block(a, a.k_cache, ik.table, b, kvh, D), stride, kt);
         const VF pos = vadd(lane, vset1(static_cast<float>(BS * b)));
         for (int r0 = 0; r0 < R; r0 += kKeyRowGroup)
             with_count<kKeyRowGroup>(std::min(kKeyRowGroup, R - r0), [&](auto N) {
@@ -992,7 +975,7 @@ void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>&
         for (int h = kLanes / 2; h >= 1; h /= 2)
             for (int j = 0; j < h; ++j) lr[j] += lr[j + h];
         const float sum = lr[0] > 0.0f ? lr[0] : 1.0f;  // a row that sees no key (not causal): 0
-        const int64_t oo = (static_cast<int64_t>(ik.tok0 + r / G) * a.heads + kvh * (a.heads / a.kv_heads) + r % G) * D;
+        const int64_t oo = (static_cast<int64_t>(ik.tok0 + r / G) * a.heads + kvh * G + r % G) * D;
         for (int d = 0; d < D; ++d) store<kDtypeF32>(a.out, oo + d, acc[r * D + d] / sum);
     }
 }
