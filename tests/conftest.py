@@ -7,19 +7,21 @@ from __future__ import annotations
 import pytest
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def _isa_line() -> str:
     from engine.model.kernels.invariance import isa_summary
 
     return f"brine kernels: {isa_summary()}"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _isa_line()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     """`make test` runs `pytest -q`, which hides the report header: the CPU line goes at the end instead, so
     that every CI log says which CPU (and so which kernels) its results came from."""
     if config.get_verbosity() < 0:
-        from engine.model.kernels.invariance import isa_summary
-
-        terminalreporter.write_line(f"brine kernels: {isa_summary()}")
+        terminalreporter.write_line(_isa_line())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
