@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 BLOCK = 16
 MAX_TOKENS = 12
+VOCAB_BOUND = 1 << 16  # above the default model's 49,152 ids; the sampler ignores ids past the vocabulary
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +36,19 @@ class Req:
     prompt: tuple[int, ...]
     seed: int | None  # None: greedy
     extra: tuple[tuple[str, float], ...] = ()  # penalties, min_tokens
+    # The one token the sampler may emit: every other id (EOS too) is a stop token masked for min_tokens =
+    # max_tokens, so the output is this token over and over whatever the model's numerics on this CPU.
+    only: int | None = None
+    max_tokens: int = MAX_TOKENS
 
     def params(self) -> SamplingParams:
-        kw: dict = dict(max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True, **dict(self.extra))
+        kw: dict = dict(max_tokens=self.max_tokens, logprobs=2, ignore_eos=True, **dict(self.extra))
         if "min_tokens" in kw:
             kw["min_tokens"] = int(kw["min_tokens"])
             kw["ignore_eos"] = False
+        if self.only is not None:
+            kw.update(min_tokens=self.max_tokens, ignore_eos=False)
+            kw["stop_token_ids"] = [t for t in range(VOCAB_BOUND) if t != self.only]
         if self.seed is None:
             kw.pop("temperature", None)
             return SamplingParams(temperature=0.0, **kw)
@@ -176,21 +184,33 @@ def test_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(reference, 
 
 def test_accepted_and_rejected_drafts_batched_with_preemption_change_nothing(reference):
     """One fixed workload that certainly drafts, accepts, rejects and preempts: repetitive prompts and random
-    ones, greedy and seeded, five at once in a pool that cannot hold them all."""
+    ones, greedy and seeded, six at once in a pool that cannot hold them all.
+
+    Whether the model's own drafts are rejected depends on its float32 numerics, which differ by CPU (an AVX2
+    CI machine accepted all 10 of them), so the last request makes both outcomes certain. Its sampler may emit
+    only `a`, and its prompt holds a run of `run` `a`s followed by other tokens. While its output's run of `a`s
+    is no longer than that, the longest match of its last tokens (up to prompt_lookup_max = `run`) is the
+    prompt's run, which proposes the tokens after it: a draft in its first `run` - 1 outputs is rejected. Its
+    first decodes may not draft (the express lane carries decodes that run beside other requests' prefills),
+    hence a run this long. Later the latest match is in its own output and proposes `a`, which is accepted."""
     rng = random.Random(3)
     seg = [rng.randrange(100, 49000) for _ in range(6)]
+    a, run = 4242, 12
     reqs = [
         Req(tuple(seg * 4 + seg[:2]), None),
         Req(tuple([rng.randrange(100, 49000) for _ in range(30)]), 5),
         Req(tuple([17] + seg * 3 + seg[:3]), 11, (("repetition_penalty", 1.2),)),
         Req(tuple([rng.randrange(100, 49000) for _ in range(20)] + seg * 2), None, (("min_tokens", 6.0),)),
         Req(tuple([23] + seg * 4 + seg[:2]), 2, (("temperature", 0.3),)),
+        Req(tuple([31] + [a] * run + seg + [a]), None, only=a, max_tokens=2 * run + 4),
     ]
     # Drafts beside prefills: a pool that preempts always has a prompt waiting, where drafts are off by default.
     spec = SpeculativeConfig(
-        num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, draft_beside_prefill=True
+        num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=run, draft_beside_prefill=True
     )
-    drafts = check(reference, (reqs, [0.0] * 5, spec, 24, 8, True))
+    assert a not in seg
+    drafts = check(reference, (reqs, [0.0] * len(reqs), spec, 24, 8, True))
+    assert reference.get(reqs[-1])[0] == (a,) * (2 * run + 4)
     assert drafts.accepted > 0, "meant to accept drafts"
     assert drafts.drafted > drafts.accepted, "meant to reject drafts too"
     assert drafts.preemptions > 0, "the pool was meant to force preemption"
