@@ -2,7 +2,7 @@
 or by a test or benchmark) and passed whole to the components, each of which reads the fields it needs:
 
 - `ModelRunner`: model, device, dtype, block_size, kv_cache_memory, num_blocks, max_num_batched_tokens,
-  max_num_seqs (to size attention buffers), batch_invariant, quantization, enforce_eager, and the LoRA
+  max_num_seqs (to size attention buffers), batch_invariant, quantization, quantize_activations, enforce_eager, and the LoRA
   fields (enable_lora, lora_modules, max_loras, max_lora_rank: engine.lora.manager.LoRAManager.from_config);
 - `EngineCore`: max_model_len, enable_prefix_caching, prefix_caching_hash_algo, express_lane, stat_loggers, the KV tiers
   (kv_host_memory, kv_disk_dir, kv_disk_size, kv_disk_key_file) and max_retained_fraction;
@@ -42,6 +42,8 @@ class EngineConfig:
     express_lane: bool = True
     batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
     quantization: str = "auto"  # auto: a GGUF's Q4_1/Q8_0 run as stored (quant_linear); none: dequantized
+    # q8: those linears (not the head) quantize their inputs to int8 per block of 32 (csrc/quant_q8.h); none
+    quantize_activations: str = "none"
     enforce_eager: bool = (
         False  # run the layers one Python call at a time, never as one native call (native_stack)
     )

@@ -55,7 +55,7 @@ CUDA_HEADROOM_BYTES = 512 * 2**20  # activations and logits of the largest step 
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig) -> None:
         """Reads model (a resolved directory), device, dtype, block_size, kv_cache_memory, num_blocks,
-        max_num_batched_tokens, max_num_seqs, batch_invariant, quantization, enforce_eager and the LoRA
+        max_num_batched_tokens, max_num_seqs, batch_invariant, quantization, quantize_activations, enforce_eager and the LoRA
         settings from `engine_config`; the model's own config is `self.model_config`."""
         config = engine_config
         if config.model is None:
@@ -72,6 +72,7 @@ class ModelRunner:
             self.dtype,
             batch_invariant=batch_invariant,
             quantized=config.quantization == "auto",
+            q8_activations=config.quantize_activations == "q8",
         )
         cfg = self.model_config = self.model.cfg
         self.capabilities = self.model.capabilities  # the native paths the architecture declares

@@ -63,9 +63,20 @@ def add_model_flags(s: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=("auto", "none"),
         default="auto",
-        help="auto: a GGUF model runs its Q4_1/Q8_0 weights as stored, with Brine's CPU kernel, where the CPU "
-        "has AVX512-BF16 (decode streams a third of the bytes of bfloat16); none: dequantize every weight "
-        "to --dtype (default: auto)",
+        help="auto: a GGUF model runs its quantized weights (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) as "
+        "stored, with Brine's CPU kernels (decode streams a third of the bytes of bfloat16); none: "
+        "dequantize every weight to --dtype (default: auto)",
+    )
+    engine_flag(
+        g,
+        "--quantize-activations",
+        choices=("none", "q8"),
+        default="none",
+        help="q8: the linears that run a GGUF's weights as stored (all but the output head) round their "
+        "inputs to int8 per block of 32 and take exact integer dot products, llama.cpp's CPU route: "
+        "1.5-2.2x faster linears where the CPU lacks AVX512-BF16, at about bfloat16's accuracy cost; "
+        "invariant like every path (docs/determinism.md). Needs --quantization auto and a GGUF model "
+        "(default: none)",
     )
     engine_flag(
         g,

@@ -48,13 +48,14 @@ SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 HEADERS = (
     CSRC / "dtypes.h",
     CSRC / "simd.h",
+    CSRC / "quant_q8.h",
 )  # included by the sources (found through -I CSRC): part of the cache key
 # The dtype codes of csrc/dtypes.h. The attention takes all three; the quantized linear and the elementwise
 # kernels take float32 and bfloat16 only.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLOAT32_BF16_CODES = {dt: code for dt, code in DTYPE_CODES.items() if dt != torch.float16}
 ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
-QUANT_ABI = 2  # what brine_quant_linear_abi() must return
+QUANT_ABI = 3  # what brine_quant_linear_abi() must return
 STACK_ABI = 3  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 _X86 = platform.machine().lower() in ("x86_64", "amd64")

@@ -42,6 +42,9 @@ class LinearPlan:
     pack: bool = False
     # pad a packed linear's rows as its shape's probe says (False: --no-batch-invariant)
     probe: bool = True
+    # the quantized linears but the head take Q8 activations (--quantize-activations q8): the head runs once
+    # per sampled row, so it would gain little speed for its share of the rounding
+    q8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.quantized and self.kernels is None:
@@ -55,7 +58,8 @@ class LinearPlan:
         parts = self.quantized.get(name)
         if parts is not None:
             assert self.kernels is not None
-            return QuantLinear.of_parts(self.kernels, parts, weight.shape[1], bias)
+            q8 = self.q8_activations and name != HEAD
+            return QuantLinear.of_parts(self.kernels, parts, weight.shape[1], bias, q8_activations=q8)
         if not self.pack:
             return dense
         out_f, in_f = weight.shape

@@ -50,6 +50,8 @@ TYPE_NAMES = {
 }
 # Record kinds (the kernel's wtype bits): int8 q, a min per block, float32 scales, two scales per block.
 _INT8, _MIN, _F32, _HALVES = 1, 2, 4, 8
+# Not a record kind: the call quantizes x to Q8 per block and takes integer dot products (csrc/quant_q8.h).
+Q8_ACTIVATIONS = 16
 KERNEL_KIND = {
     GGML_Q4_0: _MIN,
     GGML_Q4_1: _MIN,
@@ -203,12 +205,16 @@ class QuantLinear(nn.Module):
         raw: np.ndarray,
         in_features: int,
         bias: torch.Tensor | None = None,
+        *,
+        q8_activations: bool = False,
     ) -> None:
         super().__init__()
         if kernels.quant_linear is None:
             raise ValueError("this CPU has no quantized-linear kernel")
         self.fn = kernels.quant_linear
         self.in_features, self.out_features = in_features, 0
+        # x quantized to Q8 per block of 32 inputs, integer dot products (--quantize-activations q8)
+        self.q8_activations = q8_activations
         # (GGML type, output features) per part, in column order; part i's records are buffer records_i
         self.parts: list[tuple[int, int]] = []
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -221,11 +227,13 @@ class QuantLinear(nn.Module):
         parts: list[tuple[int, np.ndarray]],
         in_features: int,
         bias: torch.Tensor | None = None,
+        *,
+        q8_activations: bool = False,
     ) -> QuantLinear:
         """One layer from [(GGML type, GGUF rows)] side by side in the output (at most 3 parts)."""
         if not 1 <= len(parts) <= 3:
             raise ValueError(f"a quantized layer has 1 to 3 parts, got {len(parts)}")
-        layer = cls(kernels, *parts[0], in_features, bias)
+        layer = cls(kernels, *parts[0], in_features, bias, q8_activations=q8_activations)
         for ggml_type, raw in parts[1:]:
             layer._add(ggml_type, raw)
         return layer
@@ -245,7 +253,10 @@ class QuantLinear(nn.Module):
 
     def part_records(self) -> list[tuple[torch.Tensor, int, int]]:
         """(records, kernel wtype, output features) per part, in column order."""
-        return [(getattr(self, f"records_{i}"), KERNEL_KIND[t], n) for i, (t, n) in enumerate(self.parts)]
+        act = Q8_ACTIVATIONS if self.q8_activations else 0
+        return [
+            (getattr(self, f"records_{i}"), KERNEL_KIND[t] | act, n) for i, (t, n) in enumerate(self.parts)
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         dtype = FLOAT32_BF16_CODES.get(x.dtype)
@@ -283,9 +294,9 @@ class QuantLinear(nn.Module):
         return self.parts[0][0]
 
     @property
-    def kind(self) -> str:  # "Q4_1", or "Q4_K+Q6_K" for a layer of mixed parts
+    def kind(self) -> str:  # "Q4_1", "Q4_K+Q6_K" for a layer of mixed parts, "Q4_1 x Q8" with Q8 activations
         names = dict.fromkeys(TYPE_NAMES[t] for t, _ in self.parts)
-        return "+".join(names)
+        return "+".join(names) + (" x Q8" if self.q8_activations else "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"

@@ -91,6 +91,7 @@ def empty_model(
     pack: bool,
     batch_invariant: bool,
     quantized: bool,
+    q8_activations: bool = False,
 ) -> tuple[LlamaForCausalLM, LinearPlan]:
     """The registry's model for `cfg`, built on the meta device with its linear plan and then given
     uninitialised storage on `device`, and that plan: the caller fills every weight, then calls
@@ -105,6 +106,7 @@ def empty_model(
         pack=pack,
         batch_invariant=batch_invariant,
         quantized=quantized,
+        q8_activations=q8_activations,
     )
     with torch.device("meta"):
         model = spec.model_class(cfg, spec.capabilities, plan)
@@ -118,14 +120,16 @@ def load_model(
     pack: bool = True,
     batch_invariant: bool = True,
     quantized: bool = True,
+    q8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """`pack`: on CPU, pack the linear weights for oneDNN (see layers.linear). `batch_invariant`: pad each
     linear's rows as this machine's probe says (see kernels.invariance). `quantized`: a model converted from a
     GGUF runs the file's quantized linears as stored, where the CPU can and the architecture declares
-    `quantized_linears` (see loading.quantize); the other linears are packed."""
+    `quantized_linears` (see loading.quantize); the other linears are packed. `q8_activations`: those
+    linears, but the output head, quantize their inputs to Q8 per block (csrc/quant_q8.h)."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
-    model, plan = empty_model(model_dir, cfg, device, dtype, pack, batch_invariant, quantized)
+    model, plan = empty_model(model_dir, cfg, device, dtype, pack, batch_invariant, quantized, q8_activations)
     params = dict(model.named_parameters())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shard_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
@@ -175,6 +179,7 @@ def linear_plan(
     pack: bool,
     batch_invariant: bool,
     quantized: bool,
+    q8_activations: bool = False,
 ) -> LinearPlan:
     """How each linear will run, from the files and this machine, before the model is built (load_model's
     arguments say what is asked for). A tied head gets its own packed copy of the embedding matrix."""
@@ -186,7 +191,18 @@ def linear_plan(
         kernels, _ = load_kernels()
         assert kernels is not None
         parts = quantized_parts(gguf, cfg)
-    return LinearPlan(parts, kernels, pack=pack and packing_supported(device, dtype), probe=batch_invariant)
+    if q8_activations and not parts:
+        raise ValueError(
+            "--quantize-activations q8 applies to the linears that run a GGUF's weights as stored: this model "
+            f"has none here (a GGUF model on the CPU, with --quantization auto; {cfg.architecture}, {device})"
+        )
+    return LinearPlan(
+        parts,
+        kernels,
+        pack=pack and packing_supported(device, dtype),
+        probe=batch_invariant,
+        q8_activations=q8_activations,
+    )
 
 
 def _dense_linears(model: LlamaForCausalLM) -> bool:

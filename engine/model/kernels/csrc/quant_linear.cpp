@@ -8,6 +8,7 @@
 // each tile and each block of 32 input features there is one record, of one of these kinds (wtype bits):
 //   1: int8 q (else 4-bit q in 0..15);  2: a min m per block;  4: scales are float32 (else float16);
 //   8: two scales per block, d0 for inputs 0-15 and d1 for 16-31 (int8, no min: Q6_K's 16-input scales).
+//   16: not the record's: x is quantized to Q8 per block and the dot products are integers (quant_q8.h).
 // A record: 16 d (then 16 m, or 16 d1) for the tile's 16 columns, then the q:
 //   4-bit: 256 bytes of nibbles, q[c][i] for the 16 columns c and 32 inputs i, in the order unpack reads them
 //   int8:  16 pairs x 16 x 2 int8, (q[c][2p], q[c][2p+1])
@@ -34,6 +35,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -52,9 +54,9 @@ constexpr int kPairs = kBlock / 2;
 constexpr int64_t kPrefetch = 4096;  // bytes ahead of the record being unpacked
 constexpr int kDirectRows = 48;  // up to this many rows, records are used as unpacked (measured crossover)
 
-// wtype bits (the header)
-constexpr int kInt8 = 1, kMin = 2, kF32Scales = 4, kHalves = 8;
-constexpr int kKnownBits = kInt8 | kMin | kF32Scales | kHalves;
+// wtype bits (the header); kQ8Act: quantize x to Q8 per block and take integer dot products (quant_q8.h)
+constexpr int kInt8 = 1, kMin = 2, kF32Scales = 4, kHalves = 8, kQ8Act = 16;
+constexpr int kKnownBits = kInt8 | kMin | kF32Scales | kHalves | kQ8Act;
 constexpr int kQ4 = 0, kQ8 = 1;  // the weight template: how q is stored
 
 #if defined(BRINE_SIMD_DPBF16)
@@ -93,6 +95,7 @@ struct Kind {
     bool int8() const { return bits & kInt8; }
     bool min() const { return bits & kMin; }
     bool halves() const { return bits & kHalves; }
+    bool q8act() const { return bits & kQ8Act; }
     int scale_bytes() const { return bits & kF32Scales ? 4 : 2; }
     int64_t scales_bytes() const { return kTile * scale_bytes() * (min() || halves() ? 2 : 1); }
     int64_t bytes() const { return scales_bytes() + (int8() ? kPairs * kTile * 2 : kPairs * kTile); }
@@ -671,6 +674,8 @@ void dispatch(const Args& a, int x_dtype, const void* x, int64_t x_stride, const
     else run<WT, kDtypeF32>(a, xb, x_stride, w, threads);
 }
 
+#include "quant_q8.h"
+
 }  // namespace
 
 extern "C" {
@@ -681,8 +686,8 @@ const char* brine_kernel_tier() { return kTier; }
 // 1: every build has the kernel (kept for the loader's check).
 int brine_quant_linear_supported() { return 1; }
 
-// Bumped whenever the arguments or the record layout change (2: wtype is the kind's bits).
-int brine_quant_linear_abi() { return 2; }
+// Bumped whenever the arguments or the record layout change (2: wtype is the kind's bits; 3: its kQ8Act bit).
+int brine_quant_linear_abi() { return 3; }
 
 // wtype: the record kind's bits (the header). x_dtype / out_dtype: 0 = float32, 1 = bfloat16. k: a multiple
 // of 32. Returns 0, or non-zero for arguments it refuses (nothing is written then).
@@ -696,6 +701,11 @@ int brine_quant_linear(int wtype, const uint8_t* w, int64_t n, int64_t k, int x_
         return 1;
     if (m == 0) return 0;
     const Args a{n, k, m, kind, nullptr, nullptr, bias, out, out_stride, out_dtype};  // run packs x
+    if (kind.q8act()) {
+        if (x_dtype == kDtypeF32) run_q8(a, static_cast<const float*>(x), x_stride, w, threads);
+        else run_q8(a, static_cast<const uint16_t*>(x), x_stride, w, threads);
+        return 0;
+    }
     if (kind.int8()) dispatch<kQ8>(a, x_dtype, x, x_stride, w, threads);
     else dispatch<kQ4>(a, x_dtype, x, x_stride, w, threads);
     return 0;
