@@ -72,7 +72,7 @@ class ModelRunner:
             self.dtype,
             batch_invariant=batch_invariant,
             quantized=config.quantization == "auto",
-            q8_activations=config.quantize_activations == "q8",
+            quantize_activations=config.quantize_activations,
         )
         cfg = self.model_config = self.model.cfg
         self.capabilities = self.model.capabilities  # the native paths the architecture declares

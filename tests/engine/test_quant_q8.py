@@ -99,13 +99,13 @@ def test_the_default_models_layers_take_q8_and_its_head_does_not(tiny_model):
     from engine.model.loading.loader import load_model
 
     kernels_or_skip("quant_linear")
-    model = load_model(_default_model_path(), torch.device("cpu"), torch.float32, q8_activations=True)
+    model = load_model(_default_model_path(), torch.device("cpu"), torch.float32, quantize_activations="q8")
     kinds = [m.kind for m in model.modules() if isinstance(m, QuantLinear)]
     assert kinds.count("Q4_1 x Q8") == 120 and kinds.count("Q8_0") == 1, kinds
     with pytest.raises(
         ValueError, match="--quantize-activations q8"
     ):  # Hugging Face weights: nothing to apply to
-        load_model(tiny_model("llama").path, torch.device("cpu"), torch.float32, q8_activations=True)
+        load_model(tiny_model("llama").path, torch.device("cpu"), torch.float32, quantize_activations="q8")
 
 
 @pytest.mark.slow
@@ -143,3 +143,33 @@ def test_the_default_model_with_q8_activations_answers_as_if_alone(dtype, monkey
         for eng in ref.engines.values():
             assert eng.num_used_blocks() == 0
             eng.shutdown()
+
+
+@pytest.mark.parametrize("name", [*native_kernels.TIERS, "native"])
+def test_auto_turns_q8_on_on_the_tiers_it_was_measured_faster_on(name, monkeypatch):
+    from engine.model import device
+    from engine.model.loading.loader import Q8_AUTO_TIERS, load_model
+
+    path = _default_model_path()
+    if name != "native":
+        _tier(name)
+        monkeypatch.setenv("BRINE_CPU_TIER", name)
+    for cached in (native_kernels.load, device.cpu_has_native_bf16):
+        cached.cache_clear()
+    try:
+        kernels, _ = native_kernels.load()
+        if kernels is None:
+            pytest.skip("no kernels here")
+        model = load_model(path, torch.device("cpu"), torch.float32, quantize_activations="auto")
+        kinds = {m.kind for m in model.modules() if isinstance(m, QuantLinear)}
+        want = {"Q4_1 x Q8", "Q8_0"} if kernels.tier in Q8_AUTO_TIERS else {"Q4_1", "Q8_0"}
+        assert kinds == want, f"{kernels.tier}: {kinds}"
+        assert (
+            ("avx2" in Q8_AUTO_TIERS)
+            and "portable" not in Q8_AUTO_TIERS
+            and "avx512-bf16" not in Q8_AUTO_TIERS
+        )
+    finally:
+        monkeypatch.delenv("BRINE_CPU_TIER", raising=False)
+        for cached in (native_kernels.load, device.cpu_has_native_bf16):
+            cached.cache_clear()

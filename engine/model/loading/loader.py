@@ -91,7 +91,7 @@ def empty_model(
     pack: bool,
     batch_invariant: bool,
     quantized: bool,
-    q8_activations: bool = False,
+    quantize_activations: str = "none",
 ) -> tuple[LlamaForCausalLM, LinearPlan]:
     """The registry's model for `cfg`, built on the meta device with its linear plan and then given
     uninitialised storage on `device`, and that plan: the caller fills every weight, then calls
@@ -106,7 +106,7 @@ def empty_model(
         pack=pack,
         batch_invariant=batch_invariant,
         quantized=quantized,
-        q8_activations=q8_activations,
+        quantize_activations=quantize_activations,
     )
     with torch.device("meta"):
         model = spec.model_class(cfg, spec.capabilities, plan)
@@ -120,16 +120,19 @@ def load_model(
     pack: bool = True,
     batch_invariant: bool = True,
     quantized: bool = True,
-    q8_activations: bool = False,
+    quantize_activations: str = "none",
 ) -> LlamaForCausalLM:
     """`pack`: on CPU, pack the linear weights for oneDNN (see layers.linear). `batch_invariant`: pad each
     linear's rows as this machine's probe says (see kernels.invariance). `quantized`: a model converted from a
     GGUF runs the file's quantized linears as stored, where the CPU can and the architecture declares
-    `quantized_linears` (see loading.quantize); the other linears are packed. `q8_activations`: those
-    linears, but the output head, quantize their inputs to Q8 per block (csrc/quant_q8.h)."""
+    `quantized_linears` (see loading.quantize); the other linears are packed. `quantize_activations`:
+    "q8" makes those linears, but the output head, quantize their inputs to Q8 per block (csrc/quant_q8.h);
+    "auto" does where the kernels' tier measured faster with it (Q8_AUTO_TIERS); "none" never."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
-    model, plan = empty_model(model_dir, cfg, device, dtype, pack, batch_invariant, quantized, q8_activations)
+    model, plan = empty_model(
+        model_dir, cfg, device, dtype, pack, batch_invariant, quantized, quantize_activations
+    )
     params = dict(model.named_parameters())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shard_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
@@ -169,6 +172,12 @@ def load_model(
     return model
 
 
+# The kernel tiers where `--quantize-activations auto` turns Q8 activations on: those it made faster, prefill and
+# decode (docs/benchmarks.md#q8-activations). Not AVX512-BF16, whose bfloat16 dot products are nearly as fast
+# (1.08x), nor the portable build, whose plain integer loops are slower than its float ones (0.2-0.5x).
+Q8_AUTO_TIERS = frozenset({"avx512", "avx2"})
+
+
 def linear_plan(
     model_dir: Path,
     cfg: ModelConfig,
@@ -179,7 +188,7 @@ def linear_plan(
     pack: bool,
     batch_invariant: bool,
     quantized: bool,
-    q8_activations: bool = False,
+    quantize_activations: str = "none",
 ) -> LinearPlan:
     """How each linear will run, from the files and this machine, before the model is built (load_model's
     arguments say what is asked for). A tied head gets its own packed copy of the embedding matrix."""
@@ -191,7 +200,15 @@ def linear_plan(
         kernels, _ = load_kernels()
         assert kernels is not None
         parts = quantized_parts(gguf, cfg)
-    if q8_activations and not parts:
+    if quantize_activations not in ("auto", "none", "q8"):
+        raise ValueError(f"quantize_activations must be auto, none or q8, got {quantize_activations!r}")
+    q8 = quantize_activations == "q8" or (
+        quantize_activations == "auto"
+        and kernels is not None
+        and bool(parts)
+        and kernels.tier in Q8_AUTO_TIERS
+    )
+    if quantize_activations == "q8" and not parts:
         raise ValueError(
             "--quantize-activations q8 applies to the linears that run a GGUF's weights as stored: this model "
             f"has none here (a GGUF model on the CPU, with --quantization auto; {cfg.architecture}, {device})"
@@ -201,7 +218,7 @@ def linear_plan(
         kernels,
         pack=pack and packing_supported(device, dtype),
         probe=batch_invariant,
-        q8_activations=q8_activations,
+        q8_activations=q8,
     )
 
 
