@@ -17,8 +17,8 @@
 #pragma once
 
 constexpr int kQuads = kBlock / 4;  // 4 inputs of one column side by side: one vpmaddubsw / vpdpbusd operand
-// A tile's block as the dot products read it: q as [quad][column][4] bytes (u8 0..15 for 4-bit kinds, int8
-// for the others), then d (or d0) and m (or d1) as 16 float32 each.
+// A tile's block as the dot products read it: q as [quad][column][4] bytes (the portable build: [input][column])
+// (u8 0..15 for 4-bit kinds, int8 for the others), then d (or d0) and m (or d1) as 16 float32 each.
 constexpr int64_t kQ8Scales = kQuads * kTile * 4;
 constexpr int64_t kQ8Block = kQ8Scales + 2 * kTile * 4;
 
@@ -105,6 +105,7 @@ inline void unpack_q8(const uint8_t* rec, Kind kind, uint8_t* out) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * j + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
     }
 #else
+    // The portable build's own order, [input][column]: its plain loops then run over 16 adjacent columns.
     for (int i = 0; i < kBlock; ++i) {
         const int p = i / 2, e = i % 2;
         for (int c = 0; c < kTile; ++c) {
@@ -115,7 +116,7 @@ inline void unpack_q8(const uint8_t* rec, Kind kind, uint8_t* out) {
                 const uint8_t byte = qs[64 * (p / 4) + 8 * (p % 2) + 16 * (c / 4) + 2 * (c % 4) + e];
                 v = static_cast<uint8_t>((byte >> (4 * ((p % 4) / 2))) & 0x0f);
             }
-            out[(i / 4) * 64 + c * 4 + i % 4] = v;
+            out[i * kTile + c] = v;
         }
     }
 #endif
@@ -205,19 +206,21 @@ inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, in
         p[r][1] = halves ? to_vf(acc[r][1][0], acc[r][1][1]) : vzero();
     }
 #else
+    const auto sum = [&](const auto* q, const int8_t* xr, int i0, int i1, float* out) {
+        int32_t sums[kTile] = {};
+        for (int i = i0; i < i1; ++i)
+            for (int c = 0; c < kTile; ++c) sums[c] += static_cast<int32_t>(q[i * kTile + c]) * xr[i];
+        for (int c = 0; c < kTile; ++c) out[c] = static_cast<float>(sums[c]);
+    };
     for (int r = 0; r < R; ++r) {
         const int8_t* xr = x.q + (r0 + r) * x.k + b * kBlock;
-        int32_t sums[2][kTile] = {};
-        for (int i = 0; i < kBlock; ++i) {
-            const int h = halves && i >= kBlock / 2 ? 1 : 0;
-            for (int c = 0; c < kTile; ++c) {
-                const uint8_t byte = w[(i / 4) * 64 + c * 4 + i % 4];
-                const int q = kind.int8() ? static_cast<int8_t>(byte) : byte;
-                sums[h][c] += q * xr[i];
-            }
+        p[r][1] = vzero();
+        if (!kind.int8()) sum(w, xr, 0, kBlock, p[r][0].v);
+        else if (!halves) sum(reinterpret_cast<const int8_t*>(w), xr, 0, kBlock, p[r][0].v);
+        else {
+            sum(reinterpret_cast<const int8_t*>(w), xr, 0, kBlock / 2, p[r][0].v);
+            sum(reinterpret_cast<const int8_t*>(w), xr, kBlock / 2, kBlock, p[r][1].v);
         }
-        for (int h = 0; h < 2; ++h)
-            for (int c = 0; c < kTile; ++c) p[r][h].v[c] = static_cast<float>(sums[h][c]);
     }
 #endif
 }
