@@ -167,9 +167,12 @@ def model_dir(shape: str, tokenizer: Path, root: Path, max_len: int) -> Path:
     return path
 
 
-def random_load(model_path, device, dtype, pack=True, batch_invariant=True, quantized=True):
+def random_load(
+    model_path, device, dtype, pack=True, batch_invariant=True, quantized=True, quantize_activations="none"
+):
     """engine.model.loading.loader.load_model's construction, with random weights instead of a checkpoint
-    (norms at 1, the rest N(0, 0.02), as transformers initialises a Llama)."""
+    (norms at 1, the rest N(0, 0.02), as transformers initialises a Llama). Its weights are dense, so the
+    GGUF-only choices (quantized, quantize_activations) have nothing to apply to."""
     from engine.model.config import load_config
     from engine.model.loading.loader import empty_model
 
