@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+import torch
 
 from engine.model.kernels import build as native_kernels
 from engine.model.kernels.invariance import isa_summary
@@ -17,3 +20,20 @@ def kernels_or_skip(part: str | None = None, what: str = "") -> native_kernels.K
     if part is not None and getattr(kernels, part) is None:
         pytest.skip(f"this CPU lacks {what or part} ({isa_summary()})")
     return kernels
+
+
+def assert_rows_keep_their_bits(
+    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, what: str
+) -> None:
+    """`layer(x)`'s rows are the bits of the same rows computed alone (every 4th), in a slice of the batch
+    (rows 5-29), and on one thread."""
+    got = layer(x)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 4)])
+    assert torch.equal(alone, got[0 : x.shape[0] : 4]), what
+    assert torch.equal(layer(x[5:30]), got[5:30]), what
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), got), what
+    finally:
+        torch.set_num_threads(threads)

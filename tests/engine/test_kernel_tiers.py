@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import kernels_or_skip
+from kernel_helpers import assert_rows_keep_their_bits, kernels_or_skip
 
 from engine.model.kernels import build as native_kernels
 from engine.model.kernels.invariance import isa_summary
@@ -97,15 +97,7 @@ def test_every_gguf_type_matches_gguf_dequantization_and_keeps_a_rows_bits(tier,
             sum_error = (x.double().abs() @ dense.abs().T + bias.double().abs()) * in_f * 2.0**-24
             step = ref.abs().clamp_min(2.0**-100) * 2.0**-7 + sum_error
             assert ((got.double() - ref).abs() <= step).all(), what
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(0, 57, 4)])
-        assert torch.equal(alone, got[0:57:4]), what
-        assert torch.equal(layer(x[5:30]), got[5:30]), what
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(layer(x), got), what
-        finally:
-            torch.set_num_threads(threads)
+        assert_rows_keep_their_bits(layer, x, what)
         if dtype == torch.float32 or "bf16" not in (_native_tier() or ""):
             assert torch.equal(native(x), got), f"{what}: differs from this CPU's own build"
 

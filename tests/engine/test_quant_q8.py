@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import kernels_or_skip
+from kernel_helpers import assert_rows_keep_their_bits, kernels_or_skip
 from test_kernel_tiers import _gguf_weights, _tier
 
 from engine.model.kernels import build as native_kernels
@@ -60,15 +60,7 @@ def test_every_gguf_type_is_the_product_of_the_quantized_rows_and_keeps_a_rows_b
         assert ((got.double() - ref).abs() <= scale).all(), what
         # and far from the float path's rounding of x: the test would catch Q8 not being applied
         assert not torch.equal(got, QuantLinear(tier, ggml_type, raw, in_f, bias)(x)), what
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(0, 57, 4)])
-        assert torch.equal(alone, got[0:57:4]), what
-        assert torch.equal(layer(x[5:30]), got[5:30]), what
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(layer(x), got), what
-        finally:
-            torch.set_num_threads(threads)
+        assert_rows_keep_their_bits(layer, x, what)
         assert torch.equal(native(x), got), f"{what}: differs from this CPU's own build"
 
 

@@ -152,34 +152,33 @@ inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, in
     __m256i acc[R][2][2];  // [row][half of the block's inputs][columns 0-7, 8-15]
     for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_si256();
-    if (!kind.int8()) {  // q in 0..15: vpmaddubsw's unsigned operand as it is
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    // f(j, r, w0, w1, xv) for each quad j of the block and each row r: the quad's q for columns 0-7 and 8-15,
+    // and row r's 4 inputs broadcast to every column
+    const auto quads = [&](auto&& f) {
         for (int j = 0; j < kQuads; ++j) {
             const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j));
             const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32));
             for (int r = 0; r < R; ++r) {
                 int32_t four;
                 std::memcpy(&four, xr[r] + 4 * j, 4);
-                const __m256i xv = _mm256_set1_epi32(four);
-                acc[r][0][0] = _mm256_dpbusd_epi32(acc[r][0][0], w0, xv);
-                acc[r][0][1] = _mm256_dpbusd_epi32(acc[r][0][1], w1, xv);
+                f(j, r, w0, w1, _mm256_set1_epi32(four));
             }
         }
+    };
+    if (!kind.int8()) {  // q in 0..15: vpmaddubsw's unsigned operand as it is
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        quads([&](int, int r, __m256i w0, __m256i w1, __m256i xv) {
+            acc[r][0][0] = _mm256_dpbusd_epi32(acc[r][0][0], w0, xv);
+            acc[r][0][1] = _mm256_dpbusd_epi32(acc[r][0][1], w1, xv);
+        });
 #else
         // 8 pair sums of <= 2 x 15 x 127 each fit int16 (30480): widen once per block
         __m256i s16[R][2];
         for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
-        for (int j = 0; j < kQuads; ++j) {
-            const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j));
-            const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32));
-            for (int r = 0; r < R; ++r) {
-                int32_t four;
-                std::memcpy(&four, xr[r] + 4 * j, 4);
-                const __m256i xv = _mm256_set1_epi32(four);
-                s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(w0, xv));
-                s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(w1, xv));
-            }
-        }
+        quads([&](int, int r, __m256i w0, __m256i w1, __m256i xv) {
+            s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(w0, xv));
+            s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(w1, xv));
+        });
         const __m256i ones = _mm256_set1_epi16(1);
         for (int r = 0; r < R; ++r) {
             acc[r][0][0] = _mm256_madd_epi16(s16[r][0], ones);
@@ -187,19 +186,11 @@ inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, in
         }
 #endif
     } else {  // signed q: |q| as the unsigned operand, q's sign moved onto x
-        for (int j = 0; j < kQuads; ++j) {
+        quads([&](int j, int r, __m256i w0, __m256i w1, __m256i xv) {
             const int h = halves && j >= kQuads / 2 ? 1 : 0;
-            const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j));
-            const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32));
-            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-            for (int r = 0; r < R; ++r) {
-                int32_t four;
-                std::memcpy(&four, xr[r] + 4 * j, 4);
-                const __m256i xv = _mm256_set1_epi32(four);
-                acc[r][h][0] = dot4(acc[r][h][0], a0, _mm256_sign_epi8(xv, w0));
-                acc[r][h][1] = dot4(acc[r][h][1], a1, _mm256_sign_epi8(xv, w1));
-            }
-        }
+            acc[r][h][0] = dot4(acc[r][h][0], _mm256_abs_epi8(w0), _mm256_sign_epi8(xv, w0));
+            acc[r][h][1] = dot4(acc[r][h][1], _mm256_abs_epi8(w1), _mm256_sign_epi8(xv, w1));
+        });
     }
     for (int r = 0; r < R; ++r) {
         p[r][0] = to_vf(acc[r][0][0], acc[r][0][1]);
