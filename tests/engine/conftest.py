@@ -196,3 +196,12 @@ def _names_device(args: tuple, kwargs: dict) -> bool:
 @pytest.fixture
 def host_syncs() -> type[HostSyncs]:
     return HostSyncs
+
+
+@pytest.fixture
+def fresh_dynamo() -> None:
+    """Forgets what torch.compile compiled before this test. torch 2.13's inductor, compiling a second
+    FlexBackend's flex_attention in one process on an AVX512-BF16 EPYC (Zen 4), wrote C++ that does not
+    compile (`cur_qSplitSize9` was not declared), or computed wrong values where it reused the first one's; each
+    test passed alone, and with a reset before it. A server compiles one FlexBackend per process."""
+    torch._dynamo.reset()

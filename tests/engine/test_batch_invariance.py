@@ -174,6 +174,7 @@ def test_attention_matches_a_float64_softmax(backend):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")  # compiled anew, whatever compiled before (conftest.fresh_dynamo)
 def test_flex_attention_logic_is_batch_invariant_compiled_on_cpu():
     """The CUDA path's planning (one flex call for every request, every block masked-partial in logical
     order), compiled by inductor for CPU, where this suite can run it: batch-invariant as on CUDA."""

@@ -18,6 +18,9 @@ from attention_helpers import build_metadata
 from engine.model.attention.flex import Q_BLOCK, FlexBackend
 from engine.model.loading.loader import load_model
 
+# Each test compiles flex anew: see conftest.fresh_dynamo.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 
 def _emulated_mask(backend: FlexBackend, plan, window: int | None) -> torch.Tensor:
     """[rows, slots] bool: what a block-sparse kernel attends to, given the BlockMask we build."""
