@@ -23,11 +23,10 @@ def kernels_or_skip(part: str | None = None, what: str = "") -> native_kernels.K
 
 
 def assert_rows_keep_their_bits(
-    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, what: str
+    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, got: torch.Tensor, what: str
 ) -> None:
-    """`layer(x)`'s rows are the bits of the same rows computed alone (every 4th), in a slice of the batch
-    (rows 5-29), and on one thread."""
-    got = layer(x)
+    """`got`, `layer(x)`: its rows are the bits of the same rows computed alone (every 4th), in a slice of the
+    batch (rows 5-29), and on one thread."""
     alone = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 4)])
     assert torch.equal(alone, got[0 : x.shape[0] : 4]), what
     assert torch.equal(layer(x[5:30]), got[5:30]), what

@@ -157,6 +157,28 @@ def check(dtype: str, reference: Reference, workload) -> int:
     return stats.count
 
 
+def check_small_workload(dtype: str, seed: int, caching: bool) -> None:
+    """`check` on a small fixed workload, for the tests that run it under another setup (a kernel tier, Q8
+    activations): three requests sharing a 32-token prefix, one seeded; 16-token steps that chunk every
+    prompt; a pool that forces preemption. Each request's reference is its cold solo run on the same setup,
+    and every engine's blocks must be back."""
+    rng = random.Random(seed)
+    base = [rng.randrange(100, 49000) for _ in range(32)]
+    reqs = [
+        Req(tuple(base + [rng.randrange(100, 49000) for _ in range(5 + i)]), 7 if i == 1 else None)
+        for i in range(3)
+    ]
+    ref = Reference()
+    try:
+        assert check(dtype, ref, (reqs, [0.0] * 3, 16, 5, caching)) > 0, (
+            "the pool was meant to force preemption"
+        )
+    finally:
+        for eng in ref.engines.values():
+            assert eng.num_used_blocks() == 0
+            eng.shutdown()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 # Four workloads, a disk-tier one twice (across a restart), an engine started for each run.
 @pytest.mark.timeout(1800)

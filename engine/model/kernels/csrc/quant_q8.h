@@ -1,5 +1,6 @@
 // The Q8-activation path of quant_linear.cpp (wtype bit kQ8Act), included inside its anonymous namespace: it
-// uses that file's Kind, Args, load_scales, store_rows, RowGroups, with_rows, scratch and widen.
+// uses that file's Kind, Args, Panel, load_scales, prefetch_record, store_rows, RowGroups, with_rows, scratch
+// and widen.
 //
 // What: llama.cpp's CPU route. Each row of x is cut into the GGUF's blocks of 32 inputs and quantized per block
 // to int8 (dx = amax / 127, qx = round-half-even(x * 127 / amax), so |qx| <= 127), and every block's dot
@@ -21,6 +22,7 @@ constexpr int kQuads = kBlock / 4;  // 4 inputs of one column side by side: one 
 // (u8 0..15 for 4-bit kinds, int8 for the others), then d (or d0) and m (or d1) as 16 float32 each.
 constexpr int64_t kQ8Scales = kQuads * kTile * 4;
 constexpr int64_t kQ8Block = kQ8Scales + 2 * kTile * 4;
+static_assert(kQ8Block % sizeof(VF) == 0, "a block's panel is whole VF units (Panel's storage)");
 
 // Rows per group: each row keeps two 256-bit integer sums per block (four for two scales) beside its float
 // total; AVX512's 32 registers hold more of them.
@@ -238,13 +240,6 @@ void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile
     store_rows<R>(a, total, tile, r0);
 }
 
-// A thread's tile of unpacked blocks, kept across calls (as the float path's panels are).
-inline uint8_t* q8_panel(int64_t bytes) {
-    static thread_local std::vector<uint8_t> buffer;
-    if (static_cast<int64_t>(buffer.size()) < bytes + 64) buffer.resize(static_cast<size_t>(bytes + 64));
-    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-}
-
 // The threads quantize the rows together, then share out the tiles (runs of neighbouring tiles, as the float
 // path does); each unpacks a tile's records once and runs every row group over them.
 template <typename T>
@@ -260,7 +255,10 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
         for (int64_t r = 0; r < a.m; ++r) quantize_row(x + r * x_stride, q, r);
         // (past the omp for's barrier: every row is quantized)
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        uint8_t* panel = q8_panel(blocks * kQ8Block);
+        // A thread's tile of unpacked blocks, kept across calls as the float path's panels are (kQ8Block is
+        // 10 VF-sized, 64-byte units)
+        static thread_local Panel storage;
+        uint8_t* panel = reinterpret_cast<uint8_t*>(storage.resize(blocks * kQ8Block / sizeof(VF)));
         for (int64_t t = tiles * me / team; t < tiles * (me + 1) / team; ++t) {
             const uint8_t* rec = w + t * blocks * bytes;
             for (int64_t b = 0; b < blocks; ++b) {
