@@ -24,39 +24,64 @@ constexpr int64_t kQ8Scales = kQuads * kTile * 4;
 constexpr int64_t kQ8Block = kQ8Scales + 2 * kTile * 4;
 static_assert(kQ8Block % sizeof(VF) == 0, "a block's panel is whole VF units (Panel's storage)");
 
-// Rows per group: each row keeps two 256-bit integer sums per block (four for two scales) beside its float
-// total; AVX512's 32 registers hold more of them.
+// Rows per group: each row keeps one integer sum per column vector (AVX512: one zmm; AVX2: two ymm) through a
+// block's quads, beside the quad's weights and its x. 12 rows on AVX512 and 5 or 6 on AVX2 measured no faster.
 #if defined(BRINE_SIMD_AVX512)
 constexpr int kQ8Rows = 8;
 #else
 constexpr int kQ8Rows = 4;
 #endif
 
-// x as Q8: row r's block b is q[r k + 32 b ...], d[r blocks + b], s[r blocks + b].
+// x as Q8, in row groups (RowGroups: a group's rows are r0 .. r0 + R - 1): the group's blocks one after the
+// other, each as its R rows' 32 bytes, so the kernel reads one stream at constant offsets from one pointer (it
+// ran out of general registers with a pointer per row). Row r's block b: q[32 (r0 blocks + b R + r - r0) ...],
+// d[r0 blocks + b R + r - r0], s likewise.
 struct Q8Rows {
     int8_t* q;
     float* d;
     float* s;
-    int64_t k, blocks;
+    int64_t blocks;
+    int64_t at(int64_t r0, int64_t rows, int64_t r, int64_t b) const { return r0 * blocks + b * rows + r - r0; }
 };
 
 // One row quantized, block by block, in scalar IEEE float arithmetic: the same bytes on every tier. A block
 // holding a NaN or an infinity gets d = s = NaN (and q = 0), so its rows come out NaN, as the float path's do.
 template <typename T>
-inline void quantize_row(const T* x, const Q8Rows& out, int64_t r) {
+inline void quantize_row(const T* x, const Q8Rows& out, int64_t r0, int64_t rows, int64_t r) {
     for (int64_t b = 0; b < out.blocks; ++b) {
-        float v[kBlock];
+        alignas(32) float v[kBlock];
+        for (int i = 0; i < kBlock; ++i) v[i] = widen(x[b * kBlock + i]);
+        const int64_t at = out.at(r0, rows, r, b);
+        int8_t* q = out.q + at * kBlock;
+        float& d = out.d[at];
+        float& s = out.s[at];
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+        // The same IEEE steps as the scalar code below, 8 lanes at a time (max is exact in any order, and
+        // vcvtps2dq rounds half to even as nearbyint does): the quantization took ~8% of a prefill's linears.
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+        __m256 vs[4], most = _mm256_setzero_ps();
+        int bad = 0;
+        for (int i = 0; i < 4; ++i) {
+            vs[i] = _mm256_load_ps(v + 8 * i);
+            const __m256 a = _mm256_and_ps(vs[i], magnitude);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or infinite
+            most = _mm256_max_ps(most, a);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, most);
+        float amax = 0.0f;
+        for (float l : lanes) amax = l > amax ? l : amax;
+        const bool finite = bad == 0;
+#else
         float amax = 0.0f;
         bool finite = true;
         for (int i = 0; i < kBlock; ++i) {
-            v[i] = widen(x[b * kBlock + i]);
             finite = finite && std::isfinite(v[i]);
             const float a = std::fabs(v[i]);
             amax = a > amax ? a : amax;
         }
-        int8_t* q = out.q + r * out.k + b * kBlock;
-        float& d = out.d[r * out.blocks + b];
-        float& s = out.s[r * out.blocks + b];
+#endif
         if (!finite || amax == 0.0f) {
             std::memset(q, 0, kBlock);
             d = s = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
@@ -64,11 +89,26 @@ inline void quantize_row(const T* x, const Q8Rows& out, int64_t r) {
         }
         const float scale = 127.0f / amax;
         int sum = 0;
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+        __m256i qi[4], total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+            qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(vs[i], _mm256_set1_ps(scale)));  // |v scale| <= 127 (+ rounding)
+            total = _mm256_add_epi32(total, qi[i]);
+        }
+        // int32 -> int8 with packs (in-lane), then the lanes' dwords back in order
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        alignas(32) int32_t parts[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(parts), total);
+        for (int32_t p : parts) sum += p;
+#else
         for (int i = 0; i < kBlock; ++i) {
             const int qi = static_cast<int>(std::nearbyint(v[i] * scale));  // |v scale| <= 127 (+ rounding)
             q[i] = static_cast<int8_t>(qi);
             sum += qi;
         }
+#endif
         d = amax / 127.0f;
         s = d * static_cast<float>(sum);
     }
@@ -125,80 +165,138 @@ inline void unpack_q8(const uint8_t* rec, Kind kind, uint8_t* out) {
 }
 
 #if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
-inline VF to_vf(__m256i lo, __m256i hi) {  // int32 sums of columns 0-7 and 8-15, exact as float32 (< 2^24)
+// The integer dot products per tier. A vector holds kCols columns of a quad (4 inputs each); `u4` takes q in
+// 0..15 as vpmaddubsw's unsigned operand, `s8` moves signed q's sign onto x and takes |q| (<= 128, and
+// |x| <= 127, so vpmaddubsw's int16 pair sums, at most 2 x 128 x 127 = 32512, never saturate).
 #if defined(BRINE_SIMD_AVX512)
-    return {_mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtepi32_ps(lo)), _mm256_cvtepi32_ps(hi), 1)};
+struct Q8Isa {  // one zmm: the tile's 16 columns
+    using I = __m512i;
+    using F = __m512;
+    static constexpr int kVecs = 1;
+    static I zero() { return _mm512_setzero_si512(); }
+    static I load(const uint8_t* p) { return _mm512_load_si512(p); }
+    static I broadcast(int32_t four) { return _mm512_set1_epi32(four); }
+#if defined(__AVX512VNNI__)
+    static constexpr bool kWide = true;  // vpdpbusd: int32 sums directly
+    static I u4(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
 #else
-    return {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
+    static constexpr bool kWide = false;  // int16 sums, widened once per block (see group_q8)
+    static I u4(I acc, I w, I x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
 #endif
+    static I s8(I acc, I w, I x) {
+        const I xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);  // -x where q < 0
+#if defined(__AVX512VNNI__)
+        return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), xs);
+#else
+        return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), xs),
+                                                       _mm512_set1_epi16(1)));
+#endif
+    }
+    static I widen(I s16) { return _mm512_madd_epi16(s16, _mm512_set1_epi16(1)); }
+    static F loadf(const float* p) { return _mm512_load_ps(p); }
+    static void storef(float* p, F v) { _mm512_store_ps(p, v); }
+    static F set1(float v) { return _mm512_set1_ps(v); }
+    static F to_float(I v) { return _mm512_cvtepi32_ps(v); }  // exact: |sum| < 2^24
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#else
+struct Q8Isa {  // two ymm: columns 0-7, then 8-15
+    using I = __m256i;
+    using F = __m256;
+    static constexpr int kVecs = 2;
+    static constexpr bool kWide = false;
+    static I zero() { return _mm256_setzero_si256(); }
+    static I load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+    static I broadcast(int32_t four) { return _mm256_set1_epi32(four); }
+    static I u4(I acc, I w, I x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+    static I s8(I acc, I w, I x) {
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                                       _mm256_set1_epi16(1)));
+    }
+    static I widen(I s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
+    static F loadf(const float* p) { return _mm256_load_ps(p); }
+    static void storef(float* p, F v) { _mm256_store_ps(p, v); }
+    static F set1(float v) { return _mm256_set1_ps(v); }
+    static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#endif
+
+// One row group against one tile's unpacked blocks (panel: blocks x kQ8Block), with the header's arithmetic.
+// Registers: a group's integer sums (R x kVecs) and a quad's weight vectors stay in registers through the quad
+// loop; the float totals live in memory, read and written once per block and segment (AVX2's 16 registers
+// cannot hold both). A block's two scales (halves) are two segments, each finished before the next starts.
+// The float steps per row and column are the header's, in its order, so every tier has the same bits.
+template <int R, bool kInt8, int kSegments>
+void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
+    using I = Q8Isa::I;
+    constexpr int kV = Q8Isa::kVecs, kPer = kQuads / kSegments, kLane = kTile / kV;
+    const bool min = a.kind.min();
+    alignas(64) float tot[R][kTile] = {};
+    for (int64_t b = 0; b < x.blocks; ++b) {
+        const uint8_t* w = panel + b * kQ8Block;
+        const float* scales = reinterpret_cast<const float*>(w + kQ8Scales);
+        const int8_t* xb = x.q + x.at(r0, R, r0, b) * kBlock;  // row r0 + r's block: xb + 32 r
+        const float* dx_b = x.d + x.at(r0, R, r0, b);          // its scale: dx_b[r]
+        const float* sx_b = x.s + x.at(r0, R, r0, b);
+        for (int s = 0; s < kSegments; ++s) {
+            I acc[R][kV];
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < kV; ++c) acc[r][c] = Q8Isa::zero();
+#pragma GCC unroll 8
+            for (int j = s * kPer; j < (s + 1) * kPer; ++j) {
+                I wj[kV];
+                for (int c = 0; c < kV; ++c) wj[c] = Q8Isa::load(w + 64 * j + 32 * c);
+                for (int r = 0; r < R; ++r) {
+                    int32_t four;
+                    std::memcpy(&four, xb + kBlock * r + 4 * j, 4);
+                    const I xv = Q8Isa::broadcast(four);
+                    for (int c = 0; c < kV; ++c) {
+                        // 4-bit q: 8 int16 pair sums of <= 2 x 15 x 127 each fit (30480), widened per block
+                        acc[r][c] = kInt8 ? Q8Isa::s8(acc[r][c], wj[c], xv) : Q8Isa::u4(acc[r][c], wj[c], xv);
+                        // Integer sums reassociate freely, and GCC turned each chain into a tree whose products
+                        // were all live at once (spilled to the stack); an empty asm keeps the sum a register.
+                        asm("" : "+x"(acc[r][c]));
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const Q8Isa::F dx = Q8Isa::set1(dx_b[r]);
+                for (int c = 0; c < kV; ++c) {
+                    const I p = kInt8 || Q8Isa::kWide ? acc[r][c] : Q8Isa::widen(acc[r][c]);
+                    const Q8Isa::F d = Q8Isa::loadf(scales + s * kTile + kLane * c);  // d, or d0 then d1
+                    float* t = tot[r] + kLane * c;
+                    Q8Isa::storef(t, Q8Isa::fmadd(Q8Isa::mul(d, dx), Q8Isa::to_float(p), Q8Isa::loadf(t)));
+                }
+            }
+        }
+        if (min)
+            for (int r = 0; r < R; ++r) {
+                const Q8Isa::F sx = Q8Isa::set1(sx_b[r]);
+                for (int c = 0; c < kV; ++c) {
+                    float* t = tot[r] + kLane * c;
+                    Q8Isa::storef(t, Q8Isa::fmadd(Q8Isa::loadf(scales + kTile + kLane * c), sx, Q8Isa::loadf(t)));
+                }
+            }
+    }
+    VF total[R];
+    for (int r = 0; r < R; ++r) total[r] = vload(tot[r]);
+    store_rows<R>(a, total, tile, r0);
 }
 
-// u8 a times s8 b, 4 at a time, added to the int32 lanes of acc, exactly: a = |q| <= 128 and |b| <= 127, so
-// vpmaddubsw's int16 pair sums (at most 2 x 128 x 127 = 32512) never saturate.
-inline __m256i dot4(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
-#endif
+template <int R>
+void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
+    if (!a.kind.int8()) group_q8_simd<R, false, 1>(a, x, panel, tile, r0);
+    else if (!a.kind.halves()) group_q8_simd<R, true, 1>(a, x, panel, tile, r0);
+    else group_q8_simd<R, true, 2>(a, x, panel, tile, r0);
 }
-#endif
-
-// The block's P (P0 and P1 for two scales) for R rows, as float32 vectors: p[r][0], p[r][1].
+#else
+// The portable build: the block's P (P0 and P1 for two scales) for R rows, then the header's arithmetic.
 template <int R>
 inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, int64_t b, VF (*p)[2]) {
     const bool halves = kind.halves();
-#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
-    const int8_t* xr[R];
-    for (int r = 0; r < R; ++r) xr[r] = x.q + (r0 + r) * x.k + b * kBlock;
-    __m256i acc[R][2][2];  // [row][half of the block's inputs][columns 0-7, 8-15]
-    for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_si256();
-    // f(j, r, w0, w1, xv) for each quad j of the block and each row r: the quad's q for columns 0-7 and 8-15,
-    // and row r's 4 inputs broadcast to every column
-    const auto quads = [&](auto&& f) {
-        for (int j = 0; j < kQuads; ++j) {
-            const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j));
-            const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32));
-            for (int r = 0; r < R; ++r) {
-                int32_t four;
-                std::memcpy(&four, xr[r] + 4 * j, 4);
-                f(j, r, w0, w1, _mm256_set1_epi32(four));
-            }
-        }
-    };
-    if (!kind.int8()) {  // q in 0..15: vpmaddubsw's unsigned operand as it is
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        quads([&](int, int r, __m256i w0, __m256i w1, __m256i xv) {
-            acc[r][0][0] = _mm256_dpbusd_epi32(acc[r][0][0], w0, xv);
-            acc[r][0][1] = _mm256_dpbusd_epi32(acc[r][0][1], w1, xv);
-        });
-#else
-        // 8 pair sums of <= 2 x 15 x 127 each fit int16 (30480): widen once per block
-        __m256i s16[R][2];
-        for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
-        quads([&](int, int r, __m256i w0, __m256i w1, __m256i xv) {
-            s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(w0, xv));
-            s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(w1, xv));
-        });
-        const __m256i ones = _mm256_set1_epi16(1);
-        for (int r = 0; r < R; ++r) {
-            acc[r][0][0] = _mm256_madd_epi16(s16[r][0], ones);
-            acc[r][0][1] = _mm256_madd_epi16(s16[r][1], ones);
-        }
-#endif
-    } else {  // signed q: |q| as the unsigned operand, q's sign moved onto x
-        quads([&](int j, int r, __m256i w0, __m256i w1, __m256i xv) {
-            const int h = halves && j >= kQuads / 2 ? 1 : 0;
-            acc[r][h][0] = dot4(acc[r][h][0], _mm256_abs_epi8(w0), _mm256_sign_epi8(xv, w0));
-            acc[r][h][1] = dot4(acc[r][h][1], _mm256_abs_epi8(w1), _mm256_sign_epi8(xv, w1));
-        });
-    }
-    for (int r = 0; r < R; ++r) {
-        p[r][0] = to_vf(acc[r][0][0], acc[r][0][1]);
-        p[r][1] = halves ? to_vf(acc[r][1][0], acc[r][1][1]) : vzero();
-    }
-#else
     const auto sum = [&](const auto* q, const int8_t* xr, int i0, int i1, float* out) {
         int32_t sums[kTile] = {};
         for (int i = i0; i < i1; ++i)
@@ -206,7 +304,7 @@ inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, in
         for (int c = 0; c < kTile; ++c) out[c] = static_cast<float>(sums[c]);
     };
     for (int r = 0; r < R; ++r) {
-        const int8_t* xr = x.q + (r0 + r) * x.k + b * kBlock;
+        const int8_t* xr = x.q + x.at(r0, R, r0 + r, b) * kBlock;
         p[r][1] = vzero();
         if (!kind.int8()) sum(w, xr, 0, kBlock, p[r][0].v);
         else if (!halves) sum(reinterpret_cast<const int8_t*>(w), xr, 0, kBlock, p[r][0].v);
@@ -215,10 +313,8 @@ inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, in
             sum(reinterpret_cast<const int8_t*>(w), xr, kBlock / 2, kBlock, p[r][1].v);
         }
     }
-#endif
 }
 
-// One row group against one tile's unpacked blocks (panel: blocks x kQ8Block), with the header's arithmetic.
 template <int R>
 void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
     VF total[R];
@@ -231,14 +327,15 @@ void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile
         const VF d = vload(reinterpret_cast<const float*>(w + kQ8Scales));
         const VF m = vload(reinterpret_cast<const float*>(w + kQ8Scales) + kTile);
         for (int r = 0; r < R; ++r) {
-            const VF dx = vset1(x.d[(r0 + r) * x.blocks + b]);
+            const VF dx = vset1(x.d[x.at(r0, R, r0 + r, b)]);
             total[r] = vfmadd(vmul(d, dx), p[r][0], total[r]);
             if (halves) total[r] = vfmadd(vmul(m, dx), p[r][1], total[r]);
-            else if (min) total[r] = vfmadd(m, vset1(x.s[(r0 + r) * x.blocks + b]), total[r]);
+            else if (min) total[r] = vfmadd(m, vset1(x.s[x.at(r0, R, r0 + r, b)]), total[r]);
         }
     }
     store_rows<R>(a, total, tile, r0);
 }
+#endif
 
 // The threads quantize the rows together, then share out the tiles (runs of neighbouring tiles, as the float
 // path does); each unpacks a tile's records once and runs every row group over them.
@@ -247,12 +344,14 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
     const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile, bytes = a.kind.bytes();
     uint8_t* mem = scratch(static_cast<size_t>(a.m * a.k + 2 * a.m * blocks * 4 + 64));
     float* d = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(mem + a.m * a.k) + 63) & ~uintptr_t{63});
-    const Q8Rows q{reinterpret_cast<int8_t*>(mem), d, d + a.m * blocks, a.k, blocks};
+    const Q8Rows q{reinterpret_cast<int8_t*>(mem), d, d + a.m * blocks, blocks};
     const RowGroups groups(a.m, kQ8Rows);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < a.m; ++r) quantize_row(x + r * x_stride, q, r);
+        for (int64_t g = 0; g < groups.count; ++g)
+            for (int64_t r = groups.first(g); r < groups.first(g) + groups.rows(g); ++r)
+                quantize_row(x + r * x_stride, q, groups.first(g), groups.rows(g), r);
         // (past the omp for's barrier: every row is quantized)
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         // A thread's tile of unpacked blocks, kept across calls as the float path's panels are (kQ8Block is
