@@ -135,7 +135,10 @@ def test_the_elementwise_steps_have_the_native_builds_bits(tier, dtype, monkeypa
     norm.weight.data = torch.randn(200)
     norm = norm.to(dtype)
     h, delta = (torch.randn(9, 200) * 3).to(dtype), torch.randn(9, 200).to(dtype)
-    gate_up = (torch.randn(9, 2 * 88) * 4).to(dtype)
+    # 90 wide: a tail past the AVX2 code's 8 lanes; exp's clamps and infinities, and -0
+    gate_up = torch.randn(9, 2 * 90) * 4
+    gate_up[0, :6] = torch.tensor([100.0, -100.0, float("inf"), float("-inf"), -0.0, 88.5])
+    gate_up = gate_up.to(dtype)
     qkv = torch.randn(9, (6 + 2 * 2) * 32).to(dtype)
     cos, sin = torch.rand(9, 1, 16).to(dtype), torch.rand(9, 1, 16).to(dtype)
     slots = torch.tensor([3, 1, 4, 15, 9, 2, 6, 5, 8])
