@@ -10,8 +10,9 @@
 //   (two scales: P0 over inputs 0-15 and P1 over 16-31, total = fma(d0 dx, P0, total), then fma(d1 dx, P1, total))
 //   y = round(total + bias[n]) to the output dtype
 // Why: on CPUs without AVX512-BF16 the float32 path is bound by its fmas (a 32-input block is 64 of them per row
-// on AVX2), where vpmaddubsw / vpdpbusd take 4 inputs of 8 columns per instruction. The cost is the rounding of
-// x to 8 bits per block, measured against transformers in docs/determinism.md (about bfloat16's).
+// on AVX2), where vpmaddubsw / vpdpbusd take 4 inputs of 8 (ymm) or 16 (zmm) columns per instruction. The cost
+// is the rounding of x to 8 bits per block, measured against transformers in docs/determinism.md (about
+// bfloat16's).
 // Invariance: the integer sums are exact and every float step is the same IEEE operation on every tier, in the
 // same order per row, so a row's bits depend on nothing but its own x and the weights, and are the same on the
 // AVX512, AVX2 and portable builds alike.
@@ -44,8 +45,9 @@ struct Q8Rows {
     int64_t at(int64_t r0, int64_t rows, int64_t r, int64_t b) const { return r0 * blocks + b * rows + r - r0; }
 };
 
-// One row quantized, block by block, in scalar IEEE float arithmetic: the same bytes on every tier. A block
-// holding a NaN or an infinity gets d = s = NaN (and q = 0), so its rows come out NaN, as the float path's do.
+// One row quantized, block by block, in IEEE float arithmetic (scalar, or 8 lanes of the same steps): the same
+// bytes on every tier. A block holding a NaN or an infinity gets d = s = NaN (and q = 0), so its rows come out
+// NaN, as the float path's do.
 template <typename T>
 inline void quantize_row(const T* x, const Q8Rows& out, int64_t r0, int64_t rows, int64_t r) {
     for (int64_t b = 0; b < out.blocks; ++b) {
