@@ -4,7 +4,28 @@ as does the summary under -q."""
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
+
 import pytest
+
+
+def _inductor_cache_per_capability() -> None:
+    """A run that holds torch to a lesser CPU (ATEN_CPU_CAPABILITY=avx2, as the README's tier emulation does)
+    gets an inductor cache of its own. torch 2.13 keys its cache without that variable: a flex attention
+    compiled by a native run and then loaded under `avx2` on the same machine gave chunked rows other bits than
+    the whole prompt (test_batch_invariance's compiled-on-CPU test failed; with a fresh cache it passed)."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    if cap and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        user = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("USER", "user"))
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", cap)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{user}_{tag}"
+        )
+
+
+_inductor_cache_per_capability()
 
 
 def _isa_line() -> str:
