@@ -181,6 +181,40 @@ def test_the_attention_matches_a_float64_reference_and_keeps_a_rows_bits(tier, d
         assert torch.equal(_run(native, c, q, reqs, None), got), f"{tier.tier} vs this CPU's own build"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_inside_a_prompt(tier, dtype):
+    """Items at the end of a long context (a question after a cached document, a verify chunk) take the
+    keys-in-lanes path on AVX2 up to 64 rows (csrc/paged_attention.cpp, kKeyRowsTail), where the same rows
+    further from the end of a longer query take the row-lanes one: the same bits either way, on 1 and 2
+    threads, and right."""
+    from test_native_attention import TOL, Paged, _run
+
+    from engine.model.attention.native import NativeBackend
+
+    backend = NativeBackend(tier)
+    c = Paged((9, 3), 64, 16, dtype, seed=4)
+    table = c.table(800)
+    first = 655  # a 145-token query: items of 16 tokens from 655, so 687..702 is one, 113 tokens from its end
+    q_long = torch.randn(800 - first, c.h, c.d, generator=c.g).to(dtype)
+    inside = _run(backend, c, q_long, [(800 - first, 800, table)], None)
+    threads = torch.get_num_threads()
+    for n in (13, 9, 1):  # 39, 27 and 3 rows, ending at position 699, over 700 - n cached keys
+        reqs = [(n, 700, table[: -(-700 // 16)])]
+        q = q_long[700 - n - first : 700 - first]
+        what = f"{n} tokens, {dtype} on {tier.tier} ({isa_summary()})"
+        try:
+            torch.set_num_threads(1)
+            one = _run(backend, c, q, reqs, None)
+            torch.set_num_threads(max(2, threads))
+            got = _run(backend, c, q, reqs, None)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(got, inside[700 - n - first : 700 - first]), what
+        assert torch.equal(one, got), what
+        err = (got.double() - c.reference(q, reqs, None)).abs().max().item()
+        assert err <= TOL[dtype], f"max error {err}: {what}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_default_model_answers_as_if_alone_on_every_tier(tier, dtype, monkeypatch):

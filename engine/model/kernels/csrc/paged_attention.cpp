@@ -851,12 +851,28 @@ inline void transpose_keys(const float* kb, int64_t stride, float* kt) {
 // 8,000 in DRAM 1.89x, verify chunks of 3 and 5 tokens (9 and 15 rows) 1.33x and 1.10x; same bits. More rows
 // stay in attend_lanes, whose score buffer is 16 rows at a time. Splitting a decode's 3 units (KV heads) over 2
 // threads by phase (scores by key range, then weights and values by row: the same bits) measured no faster in
-// DRAM and 0.8x in cache, and was left out. The other tiers are unmeasured and keep their paths.
+// DRAM and 0.8x in cache, and was left out; by output dims instead of rows, 1.06x to 1.10x in DRAM and down to
+// 0.8x on verify chunks (a Zen 4 under the avx2 build), left out too. The other tiers are unmeasured and keep
+// their paths.
+//
+// Items at the end of a long context take attend_keys up to kKeyRowsTail rows: a question after a cached document,
+// a speculative verify chunk, a prompt whose start was cached. That context was written by earlier steps and comes
+// from DRAM, where reading it once (attend_keys) rather than once per 16 rows (attend_lanes) pays. A Zen 4 EPYC
+// under the avx2 build, attention_bench --dtype float32 --baseline, 2 threads (and 1): 13 tokens (39 rows) over
+// 2,016 cached 1.24x (1.24x), a verify chunk of 9 tokens 1.28x (1.27x), a 16-token chunk over 2,000 keys in the
+// CPU's caches 1.17x (0.92x), prefills 1.01x to 1.04x (0.99x to 1.01x). Inside a long prompt's prefill the
+// context was written by the same step and sits in the CPU's caches, where attend_lanes' denser arithmetic wins
+// (a 2,048-token prefill 0.92x with every item on attend_keys): only the items of its last kKeyTailTokens tokens
+// take attend_keys there. Either path gives the same bits.
 #if defined(BRINE_SIMD_AVX2)
 constexpr int kKeyRowsMax = 16;
+constexpr int kKeyRowsTail = 64;
 #else
 constexpr int kKeyRowsMax = 0;
+constexpr int kKeyRowsTail = 0;
 #endif
+constexpr int kKeyTailTokens = 64;     // an item's first token at most this far from the end of its context,
+constexpr int kKeyTailContext = 512;  // and at least this far from its start
 constexpr int kKeyRowGroup = 4;  // rows whose scores are computed together: independent fma chains
 // Output vectors per row in one walk over a run of blocks (16 dims each): AVX2's 16 ymm hold 8 (two per
 // vector) beside the operands.
@@ -998,7 +1014,8 @@ void run_items(const Args& a, int threads) {
             if constexpr (DT == kDtypeF32 && BSC == 16 && DC > 0 && DC % 16 == 0) {
                 const ItemKeys ik(a, item, 16);
                 const int rows = ik.ntok * (a.heads / a.kv_heads);
-                if (rows <= kKeyRowsMax) {
+                const bool tail = ik.ctx - ik.pos0 <= kKeyTailTokens && ik.pos0 >= kKeyTailContext;
+                if (rows <= kKeyRowsMax || (tail && rows <= kKeyRowsTail)) {
                     attend_keys<DC>(a, ik, kvh, buf);
                     continue;
                 }
