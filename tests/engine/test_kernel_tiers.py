@@ -187,7 +187,7 @@ def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_
     keys-in-lanes path on AVX2 up to 64 rows (csrc/paged_attention.cpp, kKeyRowsTail), where the same rows
     further from the end of a longer query take the row-lanes one: the same bits either way, on 1 and 2
     threads, and right."""
-    from test_native_attention import TOL, Paged, _run
+    from test_native_attention import TOL, Paged, _on_one_and_more_threads, _run
 
     from engine.model.attention.native import NativeBackend
 
@@ -197,18 +197,11 @@ def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_
     first = 655  # a 145-token query: items of 16 tokens from 655, so 687..702 is one, 113 tokens from its end
     q_long = torch.randn(800 - first, c.h, c.d, generator=c.g).to(dtype)
     inside = _run(backend, c, q_long, [(800 - first, 800, table)], None)
-    threads = torch.get_num_threads()
     for n in (13, 9, 1):  # 39, 27 and 3 rows, ending at position 699, over 700 - n cached keys
         reqs = [(n, 700, table[: -(-700 // 16)])]
         q = q_long[700 - n - first : 700 - first]
         what = f"{n} tokens, {dtype} on {tier.tier} ({isa_summary()})"
-        try:
-            torch.set_num_threads(1)
-            one = _run(backend, c, q, reqs, None)
-            torch.set_num_threads(max(2, threads))
-            got = _run(backend, c, q, reqs, None)
-        finally:
-            torch.set_num_threads(threads)
+        one, got, _ = _on_one_and_more_threads(backend, c, q, reqs)
         assert torch.equal(got, inside[700 - n - first : 700 - first]), what
         assert torch.equal(one, got), what
         err = (got.double() - c.reference(q, reqs, None)).abs().max().item()

@@ -81,6 +81,19 @@ def _run(backend, c: Paged, q, reqs, window, causal=True):
         return backend.forward(q, q, q, c.k, c.v, backend.plan(meta), window, c.d**-0.5)
 
 
+def _on_one_and_more_threads(backend, c: Paged, q, reqs) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """_run on 1 thread, then on torch's count (at least 2): (one, more, that count)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(backend, c, q, reqs, None)
+        torch.set_num_threads(max(2, before))
+        more = _run(backend, c, q, reqs, None)
+    finally:
+        torch.set_num_threads(before)
+    return one, more, max(2, before)
+
+
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
@@ -134,15 +147,8 @@ def test_a_rows_bits_do_not_depend_on_threads_or_on_the_physical_blocks(native, 
     table = c.table(ctx)
     q = torch.randn(ctx, c.h, c.d, generator=c.g).to(dtype)
     reqs = [(ctx, ctx, table)]
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run(native, c, q, reqs, None)
-        torch.set_num_threads(max(2, before))
-        many = _run(native, c, q, reqs, None)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, many), f"1 thread vs {max(2, before)} ({isa_summary()})"
+    one, many, threads = _on_one_and_more_threads(native, c, q, reqs)
+    assert torch.equal(one, many), f"1 thread vs {threads} ({isa_summary()})"
     # The same keys in other physical blocks: copy them over and rerun.
     moved = c.table(ctx)
     c.k[moved], c.v[moved] = c.k[table], c.v[table]
