@@ -56,7 +56,7 @@ CASES = {
     "verify: 5 over 2,000 in DRAM": (5, 2000, "large"),
     "verify: 9 over 2,000 in DRAM": (9, 2000, "large"),
     # a question after a shared document: its 13 tokens over the document's cached ~2,000 (in DRAM, as in a
-    # server); 39 rows, so attend_lanes on AVX2, which walks the context once per 16 rows
+    # server); 39 rows at the end of a long context, which the AVX2 build gives attend_keys (kKeyRowsTail)
     "question: 13 over 2,016 in DRAM": (13, 2029, "large"),
 }
 LARGE_BLOCKS = 24_000
