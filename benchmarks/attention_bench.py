@@ -9,6 +9,10 @@ CASES; `--cases TEXT` runs only those whose name holds TEXT). Both
 backends run alternately on the same inputs in one process and the median of `--repeats` runs is reported,
 with tiled / native (these machines are noisy: compare ratios).
 
+`--kv-float16` instead times the native kernel on float32 queries over a float16 cache (`--kv-cache-dtype
+float16`) against over a float32 cache that holds the same numbers, and says whether their outputs have the
+same bits (they must).
+
 `--baseline DIR` instead times another checkout's native kernel (DIR/engine/model/kernels/csrc, or
 engine/model/csrc in checkouts from before the redesign, built into a temporary
 directory) against this tree's, alternating run by run, and says whether their outputs have the same bits: the
@@ -16,6 +20,7 @@ before / after of a kernel change.
 
     .venv/bin/python benchmarks/attention_bench.py
     .venv/bin/python benchmarks/attention_bench.py --threads 1 --dtype float32
+    .venv/bin/python benchmarks/attention_bench.py --kv-float16 --cases DRAM
     git worktree add /tmp/before HEAD~1 && .venv/bin/python benchmarks/attention_bench.py --baseline /tmp/before
 """
 
@@ -63,18 +68,19 @@ LARGE_BLOCKS = 24_000
 TABLES = 64
 
 
-def time_backends(backends: dict, q, kc, vc, metas: list, scale: float, repeats: int) -> dict[str, float]:
-    """Median ms per backend; the backends take turns run by run (so that the machine's noise falls on all),
-    and each run reads the next of `metas` (so that no backend reads blocks the other has just brought in)."""
+def time_backends(backends: dict, q, kv: dict, metas: list, scale: float, repeats: int) -> dict[str, float]:
+    """Median ms per backend, each over its cache in `kv` (name -> (k, v)); the backends take turns run by run
+    (so that the machine's noise falls on all), and each run reads the next of `metas` (so that no backend
+    reads blocks the other has just brought in)."""
     plans = {k: [b.plan(m) for m in metas] for k, b in backends.items()}
     times: dict[str, list[float]] = {k: [] for k in backends}
     with torch.inference_mode():
         for k, b in backends.items():
-            b.forward(q, q, q, kc, vc, plans[k][0], None, scale)  # warm-up
+            b.forward(q, q, q, *kv[k], plans[k][0], None, scale)  # warm-up
         for r in range(repeats):
             for i, (k, b) in enumerate(backends.items()):
                 t0 = time.perf_counter()
-                b.forward(q, q, q, kc, vc, plans[k][(r * len(backends) + i) % len(metas)], None, scale)
+                b.forward(q, q, q, *kv[k], plans[k][(r * len(backends) + i) % len(metas)], None, scale)
                 times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1000 for k, v in times.items()}
 
@@ -94,6 +100,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--baseline", type=Path, help="another checkout: its native kernel against this tree's")
     ap.add_argument("--cases", default="", help="only the cases whose name contains this text")
+    ap.add_argument(
+        "--kv-float16", action="store_true", help="a float32 cache against a float16 one (float32)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,6 +110,10 @@ def main() -> int:
     if kernels is None:
         print(f"the native kernels are not available here: {why}")
         return 1
+    if args.kv_float16:
+        args.dtype = "float32"
+        backends = {"float32 KV": NativeBackend(kernels), "float16 KV": NativeBackend(kernels)}
+        return run_cases(args, backends, "alternating runs")
     if args.baseline is None:
         backends = {
             "tiled": TiledBackend(torch.device("cpu"), args.head_dim),
@@ -123,6 +136,11 @@ def run_cases(args: argparse.Namespace, backends: dict, what: str) -> int:
         size: tuple(torch.randn(blocks, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
         for size, blocks in (("small", small_blocks), ("large", LARGE_BLOCKS))
     }
+    if (
+        args.kv_float16
+    ):  # the float32 cache holds the float16 cache's numbers: the outputs must have the same bits
+        caches = {size: tuple(c.half().float() for c in kv) for size, kv in caches.items()}
+        half = {size: tuple(c.half() for c in kv) for size, kv in caches.items()}
     first, second = backends
     native_pair = all(isinstance(b, NativeBackend) for b in backends.values())
     print(
@@ -138,18 +156,21 @@ def run_cases(args: argparse.Namespace, backends: dict, what: str) -> int:
         if args.cases not in name:
             continue
         kc, vc = caches[size]
+        kv = {name: (kc, vc) for name in backends}
+        if args.kv_float16:
+            kv["float16 KV"] = half[size]
         tables = [
             rng.sample(range(1, kc.shape[0]), -(-ctx // bs)) for _ in range(1 if size == "small" else TABLES)
         ]
         metas = [AttentionMetadata([n], [ctx], [t], bs, torch.zeros(0, dtype=torch.int64)) for t in tables]
         q = torch.randn(n, args.heads, d, generator=g).to(dtype)
         reps = max(3, args.repeats // (1 + n // 256))
-        ms = time_backends(backends, q, kc, vc, metas, d**-0.5, reps)
+        ms = time_backends(backends, q, kv, metas, d**-0.5, reps)
         line = f"{name:26} {ms[first]:10.3f} {ms[second]:10.3f} {ms[first] / ms[second]:19.2f}x"
         if native_pair:
             with torch.inference_mode():
                 outs = [
-                    b.forward(q, q, q, kc, vc, b.plan(metas[0]), None, d**-0.5) for b in backends.values()
+                    b.forward(q, q, q, *kv[k], b.plan(metas[0]), None, d**-0.5) for k, b in backends.items()
                 ]
             line += f" {'yes' if same_bits(*outs) else 'NO':>10}"
         print(line)

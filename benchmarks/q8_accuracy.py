@@ -1,4 +1,5 @@
-"""What `--quantize-activations q8` costs in accuracy: Brine's prompt logprobs against transformers in float32.
+"""What `--quantize-activations q8` and `--kv-cache-dtype float16` cost in accuracy: Brine's prompt logprobs
+against transformers in float32.
 
 One text (this repository's README and docs/benchmarks.md, the first `--tokens` tokens) is scored by
 transformers (float32, on the weights Brine converted from the GGUF: the same values) and by Brine's engine
@@ -9,9 +10,11 @@ transformers (float32, on the weights Brine converted from the GGUF: the same va
 - perplexity of the text.
 
 bfloat16 (Brine's default on AVX512-BF16 CPUs) is the yardstick: its rounding is a cost users already take.
+A setting is a dtype, then `+q8` for q8 activations and `+kv16` for a float16 KV cache (under float32).
 
     .venv/bin/python benchmarks/q8_accuracy.py
     .venv/bin/python benchmarks/q8_accuracy.py --settings float32,float32+q8,bfloat16,bfloat16+q8 --tokens 2048
+    .venv/bin/python benchmarks/q8_accuracy.py --settings float32,float32+kv16,float32+q8,float32+q8+kv16,bfloat16
 """
 
 from __future__ import annotations
@@ -52,9 +55,16 @@ def reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
 
 def brine(setting: str, ids: list[int]) -> tuple[list[float], list[int]]:
     """Brine's logprob of each actual next token and its own top-1, positions 1 .. len(ids) - 1."""
-    dtype, _, q8 = setting.partition("+")
+    dtype, *options = setting.split("+")
+    if set(options) - {"q8", "kv16"}:
+        raise SystemExit(f"{setting}: a setting is a dtype, then +q8 and/or +kv16")
     eng = AsyncEngine.from_config(
-        EngineConfig(device="cpu", dtype=dtype, quantize_activations="q8" if q8 else "none")
+        EngineConfig(
+            device="cpu",
+            dtype=dtype,
+            quantize_activations="q8" if "q8" in options else "none",
+            kv_cache_dtype="float16" if "kv16" in options else "auto",
+        )
     )
 
     async def run():

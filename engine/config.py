@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from engine.spec_config import SpeculativeConfig
 from metrics.stats import StatLogger
 
+KV_CACHE_DTYPES = ("auto", "float16")  # --kv-cache-dtype
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -46,6 +48,9 @@ class EngineConfig:
     # where the CPU's kernel tier is faster with it (loading.loader.Q8_AUTO_TIERS: AVX512 without BF16, AVX2);
     # none (the default): the exact float path, which answers as transformers does (docs/determinism.md)
     quantize_activations: str = "none"
+    # auto: the KV cache in `dtype`; float16: under float32 activations on CPU, half the bytes per cached token
+    # (engine.model.device.resolve_kv_dtype; invariant like every path: keys and values widen exactly)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     enforce_eager: bool = (
         False  # run the layers one Python call at a time, never as one native call (native_stack)
     )

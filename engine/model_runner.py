@@ -31,8 +31,9 @@ from engine.lora.manager import LoRAManager
 from engine.model.attention.base import AttentionBackend, AttentionMetadata, slot_ids
 from engine.model.attention.chooser import select_backend
 from engine.model.attention.flex import FlexBackend
+from engine.model.attention.native import NativeBackend
 from engine.model.cuda_graphs import GraphRunner, StaticFlexAttention
-from engine.model.device import resolve_device, resolve_dtype
+from engine.model.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.model.graph_plan import Q_BLOCK, PaddedStep, buckets_up_to, pad_step
 from engine.model.kernels.build import describe as describe_kernels
 from engine.model.layers.linear import PackedLinear
@@ -65,6 +66,9 @@ class ModelRunner:
         max_num_batched_tokens, max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(
+            config.kv_cache_dtype, self.dtype, self.device
+        )  # before the slow load
         self.batch_invariant = batch_invariant
         self.model = load_model(
             Path(config.model),
@@ -82,7 +86,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = cfg.eos_token_ids
         self.block_size = block_size
-        shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         if num_blocks is None:
             budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_budget()
             self.kv_store = KVStore.from_budget(budget, *shape)
@@ -100,6 +104,11 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             batch_invariant=batch_invariant,
         )
+        if self.kv_dtype != self.dtype and not isinstance(self.attn_backend, NativeBackend):
+            raise ValueError(
+                f"--kv-cache-dtype float16 under float32 needs Brine's CPU attention (native), and this engine "
+                f"has {self.attention_backend}: the kernels did not build, or BRINE_ATTENTION_BACKEND chose another"
+            )
         self.sampler = Sampler(
             self.device, cfg.vocab_size
         )  # EOS ids come with each request (the scheduler's)
@@ -117,7 +126,12 @@ class ModelRunner:
             "declared: %s, batch invariance %s",
             self.architecture,
             self.device,
-            str(self.dtype).removeprefix("torch."),
+            str(self.dtype).removeprefix("torch.")
+            + (
+                ""
+                if self.kv_dtype == self.dtype
+                else f", KV cache {str(self.kv_dtype).removeprefix('torch.')}"
+            ),
             describe_kernels() if self.device.type == "cpu" else "cuda",
             self.linear_weights,
             self.attention_backend,

@@ -80,3 +80,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: expected auto, float32, bfloat16 or float16")
     return DTYPES[name]
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`--kv-cache-dtype`: 'auto' (the model dtype) or 'float16' (also 'fp16', 'half'). float16 under float32
+    activations halves the bytes a step reads from a long cached context, which on CPU is what a warm request
+    and a long decode wait on (docs/determinism.md#a-float16-kv-cache says what it costs); it needs Brine's
+    CPU attention, which the runner checks once it has chosen the backend. ValueError for anything else."""
+    name = {"fp16": "float16", "half": "float16"}.get(
+        (name or "auto").strip().lower(), (name or "").strip().lower()
+    )
+    if name == "auto" or (name == "float16" and dtype == torch.float16):
+        return dtype
+    if name != "float16":
+        raise ValueError(f"unknown KV cache dtype {name!r}: expected auto or float16")
+    if dtype != torch.float32:
+        raise ValueError(
+            f"--kv-cache-dtype float16 needs --dtype float32 (the model runs in {str(dtype).removeprefix('torch.')}, "
+            "whose cache is already 16-bit)"
+        )
+    if device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype float16 under float32 runs on the CPU only, not on {device}")
+    return torch.float16

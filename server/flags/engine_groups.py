@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine.config import KV_CACHE_DTYPES
 from kv_cache.hashing import HASH_ALGOS
 from server.flags import types
 from server.flags.engine_map import engine_flag
@@ -114,6 +115,16 @@ def add_kv_cache_flags(s: argparse.ArgumentParser) -> None:
         default="sha256",
         help="hash that names cached blocks; sha256 makes collisions practically impossible, xxhash is "
         "faster but not collision-resistant: never use it with untrusted tenants (default: %(default)s)",
+    )
+    engine_flag(
+        g,
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="auto: the cache in --dtype; float16: under --dtype float32 on CPU, keys and values stored in "
+        "float16, half the bytes a step reads per cached token (a warm request over a long cached prompt "
+        "and long decodes get faster; twice the tokens fit in --kv-cache-memory) for rounding K and V to "
+        "11 bits, llama.cpp's default cache type; invariant like every path (default: auto)",
     )
     engine_flag(
         g,

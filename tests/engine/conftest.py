@@ -85,10 +85,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Tiny
 class Paged:
     """Runs our model step by step over a paged cache; hands out block ids in shuffled order. `backend`:
     the attention (default: the runner's choice on CPU, the SDPA reference elsewhere); `stack`: a native
-    layer stack to hand the model in every step's context."""
+    layer stack to hand the model in every step's context; `kv_dtype`: the cache's (default: the model's)."""
 
     def __init__(
-        self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0, backend=None, stack=None
+        self,
+        model,
+        num_blocks: int = 96,
+        block_size: int = 4,
+        seed: int = 0,
+        backend=None,
+        stack=None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         from attention_helpers import build_metadata
 
@@ -106,7 +113,8 @@ class Paged:
         self.backend = backend if backend is not None else SdpaBackend(self.device)
         self.stack = stack
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=weight.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        kv_dtype = kv_dtype or weight.dtype
+        self.k = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros_like(x) for x in self.k]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # deliberately non-contiguous tables

@@ -56,7 +56,10 @@ class Preemptions:
 
 
 def engine(dtype: str, **kw) -> AsyncEngine:
-    return AsyncEngine.from_config(EngineConfig(device="cpu", dtype=dtype, **kw))
+    """`dtype`: the model dtype, or "float32+kv16" for float32 over a float16 KV cache (--kv-cache-dtype)."""
+    model_dtype, _, kv = dtype.partition("+")
+    kw.setdefault("kv_cache_dtype", {"": "auto", "kv16": "float16"}[kv])
+    return AsyncEngine.from_config(EngineConfig(device="cpu", dtype=model_dtype, **kw))
 
 
 async def answer(eng: AsyncEngine, req: Req, delay: float = 0.0) -> Answer:
@@ -179,17 +182,18 @@ def check_small_workload(dtype: str, seed: int, caching: bool) -> None:
             eng.shutdown()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-# Four workloads, a disk-tier one twice (across a restart), an engine started for each run.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float32+kv16"])
+# Three workloads per setting (nine in all: the suite's time stays where it was with two settings of four), a
+# disk-tier one twice (across a restart), an engine started for each run.
 @pytest.mark.timeout(1800)
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
 def test_every_request_answers_as_if_alone_and_cold(dtype, reference, workload):
     print(isa_summary())
     check(dtype, reference, workload)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float32+kv16"])
 def test_a_pool_that_forces_preemption_changes_nothing(dtype, reference):
     """One fixed workload that certainly preempts and chunks: five requests sharing a 48-token prefix, a
     pool that holds one and a half of them, 24-token steps."""

@@ -208,6 +208,52 @@ def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_
         assert err <= TOL[dtype], f"max error {err}: {what}"
 
 
+def test_a_float16_cache_under_float32_gives_the_bits_of_a_float32_cache_of_the_same_values(
+    tier, monkeypatch
+):
+    """`--kv-cache-dtype float16`: every attention path (keys in lanes for a decode and a question at the end of
+    a long context, rows in lanes for a prompt, the generic loops for another block size) widens each float16
+    key and value exactly and does the float32 cache's arithmetic, so its bits are those of a float32 cache that
+    holds the same float16-rounded numbers, on 1 and 2 threads; and the rope write rounds K and V to float16
+    as torch's `.to(torch.float16)` does, with q untouched."""
+    from test_native_attention import TOL, Paged, _on_one_and_more_threads
+
+    from engine.model.attention.native import NativeBackend
+    from engine.model.kernels import fused_ops
+
+    backend = NativeBackend(tier)
+    what = f"{tier.tier} ({isa_summary()})"
+    for bs, shapes in ((16, ((1, 700), (13, 700), (40, 40), (9, 120), (70, 200))), (8, ((1, 77), (20, 50)))):
+        c = Paged((9, 3), 64, bs, torch.float32, blocks=160 if bs == 16 else 40, seed=5)
+        c.k, c.v = c.k.half().float(), c.v.half().float()  # the numbers a float16 cache holds
+        reqs = [(n, ctx, c.table(ctx)) for n, ctx in shapes]
+        q = torch.randn(sum(n for n, _, _ in reqs), c.h, c.d, generator=c.g)
+        _, f32, _ = _on_one_and_more_threads(backend, c, q, reqs)
+        c.k, c.v = c.k.half(), c.v.half()
+        one, f16, _ = _on_one_and_more_threads(backend, c, q, reqs)
+        assert f16.dtype == torch.float32, what
+        assert torch.equal(f16, f32), f"block size {bs}: {what}"
+        assert torch.equal(one, f16), f"block size {bs}, 1 thread: {what}"
+        c.k, c.v = c.k.float(), c.v.float()
+        err = (f16.double() - c.reference(q, reqs, None)).abs().max().item()
+        assert err <= TOL[torch.float32], f"max error {err}: {what}"
+
+    qkv = torch.randn(9, (6 + 2 * 2) * 32) * 40  # some values past float16's 11 bits, one past its range
+    qkv[0, -1] = 1e6
+    cos, sin = torch.rand(9, 1, 16), torch.rand(9, 1, 16)
+    slots = torch.tensor([3, 1, 4, 15, 9, 2, 6, 5, 8])
+    caches = {
+        dt: (torch.zeros(2, 8, 2, 32, dtype=dt), torch.zeros(2, 8, 2, 32, dtype=dt))
+        for dt in (torch.float32, torch.float16)
+    }
+    monkeypatch.setattr(fused_ops, "load", lambda: (tier, ""))
+    qs = {dt: fused_ops.rope_and_write(qkv, (cos, sin), slots, *caches[dt], 6) for dt in caches}
+    assert qs[torch.float16] is not None and torch.equal(qs[torch.float16], qs[torch.float32]), what
+    for got, full in zip(caches[torch.float16], caches[torch.float32], strict=True):
+        assert torch.equal(got, full.half()), what
+    assert caches[torch.float16][1].isinf().sum() == 1, what
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_default_model_answers_as_if_alone_on_every_tier(tier, dtype, monkeypatch):

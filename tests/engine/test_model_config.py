@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.model.config import UnsupportedModelError, load_config, parse_config
-from engine.model.device import cpu_has_native_bf16, resolve_device, resolve_dtype
+from engine.model.device import cpu_has_native_bf16, resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.model.loading.loader import load_model
 
 BASE = dict(
@@ -120,6 +120,39 @@ def test_resolve_device_and_dtype():
     assert resolve_dtype("fp16", cpu) == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int8", cpu)
+
+
+def test_kv_cache_dtype_float16_is_for_float32_on_cpu_and_anything_else_a_clear_error(
+    tiny_model, monkeypatch
+):
+    cpu = torch.device("cpu")
+    assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    assert resolve_kv_dtype("float16", torch.float32, cpu) == torch.float16
+    assert resolve_kv_dtype("fp16", torch.float16, cpu) == torch.float16  # already its dtype
+    with pytest.raises(ValueError, match="needs --dtype float32"):
+        resolve_kv_dtype("float16", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_dtype("float16", torch.float32, torch.device("cuda"))
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
+        resolve_kv_dtype("fp8", torch.float32, cpu)
+
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    path = str(tiny_model("llama").path)
+    runner = ModelRunner(
+        EngineConfig(model=path, device="cpu", dtype="float32", num_blocks=8, kv_cache_dtype="float16")
+    )
+    if runner.attention_backend != "native":
+        pytest.skip(f"Brine's CPU attention is not available here ({runner.attention_backend})")
+    assert runner.kv_store.pages.dtype == torch.float16 and runner.dtype == torch.float32
+    monkeypatch.setenv(
+        "BRINE_ATTENTION_BACKEND", "tiled"
+    )  # an attention that would read the cache as float32
+    with pytest.raises(ValueError, match="needs Brine's CPU attention"):
+        ModelRunner(
+            EngineConfig(model=path, device="cpu", dtype="float32", num_blocks=8, kv_cache_dtype="float16")
+        )
 
 
 @pytest.mark.cuda

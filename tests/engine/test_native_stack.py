@@ -58,10 +58,13 @@ def _quantized_tiny(tiny_model, dtype: torch.dtype, kernels: native_kernels.Kern
     return model
 
 
-def _steps(paged_cls, model, stack: NativeStack | None) -> list[torch.Tensor]:
+def _steps(
+    paged_cls, model, stack: NativeStack | None, kv_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """A chunked prefill, a second request starting on the first's blocks in the same step, then decodes:
-    every new token's logits, with the native attention (and the stack, where given)."""
-    p = paged_cls(model, block_size=16, backend=NativeBackend(_kernels()), stack=stack)
+    every new token's logits, with the native attention (and the stack, where given), over a cache of
+    `kv_dtype` (default: the model's)."""
+    p = paged_cls(model, block_size=16, backend=NativeBackend(_kernels()), stack=stack, kv_dtype=kv_dtype)
     a = [(5 * i + 3) % 128 for i in range(45)]
     ta, tb = p.table_for(64), p.table_for(64)
     b = a[:32] + [7, 8, 9]
@@ -72,14 +75,24 @@ def _steps(paged_cls, model, stack: NativeStack | None) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_stack_gives_the_bits_of_the_layers_run_from_python(tiny_model, paged, dtype):
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float16)],
+    ids=["float32", "bfloat16", "float32-kv-float16"],
+)
+def test_the_stack_gives_the_bits_of_the_layers_run_from_python(tiny_model, paged, dtype, kv_dtype):
     kernels = _kernels()
     model = _quantized_tiny(tiny_model, dtype, kernels)
     stack, why = NativeStack.build(model, NativeBackend(kernels))
     assert stack is not None, why
-    with_stack = _steps(paged, model, stack)
-    from_python = _steps(paged, model, None)
+    ran: list[bool] = []  # the stack took every step (None: it stepped aside to the Python layers)
+    run = stack.run
+    stack.run = lambda *a: ran.append((out := run(*a)) is not None) or out  # type: ignore[method-assign]
+    with_stack = _steps(paged, model, stack, kv_dtype)
+    assert ran and all(ran), ran
+    from_python = _steps(paged, model, None, kv_dtype)
+    if kv_dtype is not None:  # a float16 cache rounds K and V: not the float32 cache's logits
+        assert not torch.equal(with_stack[-1], _steps(paged, model, stack)[-1])
     assert len(with_stack) == len(from_python) == 1 + 2 + 3 * 2
     for i, (a, b) in enumerate(zip(with_stack, from_python, strict=True)):
         assert torch.equal(a, b), f"step output {i} differs; {isa_summary()}"

@@ -101,9 +101,11 @@ class NativeBackend:
     ) -> torch.Tensor:
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape
-        if q.device.type != "cpu" or k_cache.dtype != q.dtype or q.dtype not in DTYPE_CODES:
+        kv_ok = k_cache.dtype == q.dtype or (q.dtype == torch.float32 and k_cache.dtype == torch.float16)
+        if q.device.type != "cpu" or not kv_ok or q.dtype not in DTYPE_CODES:
             raise ValueError(
-                f"native attention runs on CPU float32/bfloat16/float16, got {q.dtype} on {q.device}"
+                "native attention runs on CPU float32/bfloat16/float16 (and float32 over a float16 cache), got "
+                f"{q.dtype} over a {k_cache.dtype} cache on {q.device}"
             )
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -114,6 +116,7 @@ class NativeBackend:
             return out
         rc = self.kernels.paged_attention(
             DTYPE_CODES[q.dtype],
+            DTYPE_CODES[k_cache.dtype],
             q.data_ptr(),
             q.stride(0),
             q.stride(1),

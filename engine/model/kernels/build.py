@@ -54,9 +54,9 @@ HEADERS = (
 # kernels take float32 and bfloat16 only.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLOAT32_BF16_CODES = {dt: code for dt, code in DTYPE_CODES.items() if dt != torch.float16}
-ABI = 1  # what brine_paged_attention_abi() must return (bumped with the C signature)
+ABI = 2  # what brine_paged_attention_abi() must return (bumped with the C signature)
 QUANT_ABI = 3  # what brine_quant_linear_abi() must return
-STACK_ABI = 3  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)
+STACK_ABI = 4  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Explicit lower targets: the -march that replaces "native", and the /proc/cpuinfo flags a CPU needs to run it.
@@ -187,7 +187,7 @@ def _bind(path: Path) -> Kernels:
         raise OSError(f"{path} has other ABIs {abis} than {(ABI, QUANT_ABI, STACK_ABI)}")
     fn = lib.brine_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32]
+    fn.argtypes = [i32, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32]
     fn.argtypes += [ctypes.c_float, i32]
     fn.restype = i32
     quant = None
@@ -202,7 +202,7 @@ def _bind(path: Path) -> Kernels:
         norm, silu, rope = lib.brine_add_rms_norm, lib.brine_silu_mul, lib.brine_rope_write
         norm.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
         silu.argtypes = [i32, ptr, ptr, i64, i64, i32]
-        rope.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+        rope.argtypes = [i32, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
         norm.restype = silu.restype = rope.restype = i32
         elementwise = Elementwise(norm, silu, rope)
     stack = None

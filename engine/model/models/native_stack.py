@@ -24,7 +24,7 @@ import torch
 
 from engine.model.attention.base import AttentionBackend
 from engine.model.attention.native import NativeBackend, NativePlan
-from engine.model.kernels.build import FLOAT32_BF16_CODES, load
+from engine.model.kernels.build import DTYPE_CODES, FLOAT32_BF16_CODES, load
 from engine.model.layers.quant_linear import QuantLinear
 from engine.model.models.context import ForwardContext
 from engine.model.models.llama import LlamaForCausalLM
@@ -56,7 +56,8 @@ class _Layer(ctypes.Structure):
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        *((name, _I64) for name in ("dtype", "num_layers", "hidden", "heads", "kv_heads", "head_dim")),
+        *((name, _I64) for name in ("dtype", "kv_dtype", "num_layers", "hidden", "heads", "kv_heads")),
+        ("head_dim", _I64),
         ("intermediate", _I64),
         ("block_size", _I64),
         ("eps", _F64),
@@ -74,6 +75,12 @@ class _Args(ctypes.Structure):
         ("first_layer", _I64),
         ("end_layer", _I64),
     ]
+
+
+def _kv_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The cache dtypes the stack runs over with `dtype` activations: its own, and float16 under float32
+    (`--kv-cache-dtype float16`)."""
+    return (dtype, torch.float16) if dtype == torch.float32 else (dtype,)
 
 
 def _linear(module: torch.nn.Module) -> _Linear:
@@ -107,6 +114,7 @@ class NativeStack:
         self._caches: tuple[int, ...] = ()  # the cache pointers the layers were last given
         self.args = _Args(
             FLOAT32_BF16_CODES[self.dtype],
+            FLOAT32_BF16_CODES[self.dtype],  # kv_dtype: set per call from the caches
             cfg.num_layers,
             self.hidden,
             self.heads,
@@ -161,7 +169,12 @@ class NativeStack:
         """The final norm of every row's last hidden state [T, hidden], or None where this step is not one the
         stack runs (the caller then runs the layers itself)."""
         plan, slot_mapping, k_caches, v_caches = ctx.plan, ctx.slot_mapping, ctx.k_caches, ctx.v_caches
-        if not isinstance(plan, NativePlan) or h.dtype != self.dtype or k_caches[0].dtype != self.dtype:
+        kv_dtype = k_caches[0].dtype
+        if (
+            not isinstance(plan, NativePlan)
+            or h.dtype != self.dtype
+            or kv_dtype not in _kv_dtypes(self.dtype)
+        ):
             return None
         t, d = h.shape[0], self.head_dim
         caches = tuple(c.data_ptr() for c in (*k_caches, *v_caches))
@@ -183,6 +196,7 @@ class NativeStack:
         scratch = torch.empty(t * sum(widths), dtype=self.dtype)
         x, qkv, q, o, attn, gate_up, act, mlp = scratch.split([t * w for w in widths])
         a = _Args.from_buffer_copy(self.args)  # this call's own: a step run by the hook sets its own
+        a.kv_dtype = DTYPE_CODES[kv_dtype]
         a.block_size = k_caches[0].shape[1]
         a.tokens = t
         a.h, a.x, a.cos, a.sin, a.slots = (

@@ -21,13 +21,13 @@ extern "C" {
 int brine_add_rms_norm(int dtype, const void* h, const void* delta, void* h_sum, const void* weight, void* out,
                        int64_t rows, int64_t n, float eps, int threads);
 int brine_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t n, int threads);
-int brine_rope_write(int dtype, const void* qkv, int64_t qkv_stride, const void* cos, const void* sin,
+int brine_rope_write(int dtype, int kv_dtype, const void* qkv, int64_t qkv_stride, const void* cos, const void* sin,
                      const int64_t* slots, void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads,
                      int kv_heads, int dim, int threads);
 int brine_quant_linear(int wtype, const uint8_t* w, int64_t n, int64_t k, int x_dtype, const void* x, int64_t m,
                        int64_t x_stride, const float* bias, void* out, int64_t out_stride, int out_dtype,
                        int threads);
-int brine_paged_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
+int brine_paged_attention(int dtype, int kv_dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
                           const void* v_cache, void* out, const int32_t* items, int64_t num_items,
                           const int32_t* tables, int64_t table_width, int heads, int kv_heads, int head_dim,
                           int block_size, int causal, int window, float scale, int threads);
@@ -53,14 +53,14 @@ struct Layer {
     const void* input_norm;  // [hidden], model dtype
     const void* post_norm;
     Linear qkv, o, gate_up, down;
-    void* k_cache;  // [blocks, block_size, kv_heads, head_dim]
+    void* k_cache;  // [blocks, block_size, kv_heads, head_dim], of kv_dtype
     void* v_cache;
     int64_t window;  // sliding window, 0 for none
 };
 
 struct Args {
-    // the model
-    int64_t dtype, num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    // the model; kv_dtype: the caches' (dtype, or float16 under float32: `--kv-cache-dtype float16`)
+    int64_t dtype, kv_dtype, num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     double eps, scale;
     const Layer* layers;
     const void* final_norm;
@@ -104,13 +104,13 @@ int linear(const Args& a, const Linear& w, int64_t n, int64_t k, const void* x, 
 
 extern "C" {
 
-int brine_decoder_stack_abi() { return 3; }
+int brine_decoder_stack_abi() { return 4; }
 
 // Returns 0, or 1 + the index of the layer whose kernel refused its arguments (what it wrote up to there is
 // garbage then); -1 for a layer range outside [0, num_layers].
 int brine_decoder_stack(const Args* args) {
     const Args& a = *args;
-    const int dt = static_cast<int>(a.dtype), th = static_cast<int>(a.threads);
+    const int dt = static_cast<int>(a.dtype), kdt = static_cast<int>(a.kv_dtype), th = static_cast<int>(a.threads);
     const int heads = static_cast<int>(a.heads), kvh = static_cast<int>(a.kv_heads), d = static_cast<int>(a.head_dim);
     const float eps = static_cast<float>(a.eps);
     const int64_t t = a.tokens, hidden = a.hidden, inter = a.intermediate;
@@ -123,9 +123,9 @@ int brine_decoder_stack(const Args* args) {
         const Layer& l = a.layers[i];
         const void* next_norm = i + 1 < a.num_layers ? a.layers[i + 1].input_norm : a.final_norm;
         int rc = linear(a, l.qkv, qkv_n, hidden, a.x, a.qkv);
-        rc = rc ? rc : brine_rope_write(dt, a.qkv, qkv_n, a.cos, a.sin, a.slots, l.k_cache, l.v_cache, a.q, t, heads,
+        rc = rc ? rc : brine_rope_write(dt, kdt, a.qkv, qkv_n, a.cos, a.sin, a.slots, l.k_cache, l.v_cache, a.q, t, heads,
                                         kvh, d, th);
-        rc = rc ? rc : brine_paged_attention(dt, a.q, q_size, d, l.k_cache, l.v_cache, a.o, a.items, a.num_items,
+        rc = rc ? rc : brine_paged_attention(dt, kdt, a.q, q_size, d, l.k_cache, l.v_cache, a.o, a.items, a.num_items,
                                              a.tables, a.table_width, heads, kvh, d, static_cast<int>(a.block_size),
                                              static_cast<int>(a.causal), static_cast<int>(l.window),
                                              static_cast<float>(a.scale), th);

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "dtypes.h"
 
@@ -371,6 +372,37 @@ void rope_write(const void* qkv, int64_t qkv_stride, const void* cos, const void
 }  // namespace
 #endif  // BRINE_ELEMENTWISE_AVX512
 
+namespace {
+
+// float32 activations over a float16 KV cache (`brine serve --kv-cache-dtype float16`): q as rope_write<float32>
+// writes it; k is roped in float32 (the same rope_head), then k and v are rounded to float16, nearest even, as
+// the Python path's `.to(torch.float16)` into the cache rounds them. Each row by one thread, as rope_write.
+void rope_write_kv16(const void* qkv, int64_t qkv_stride, const void* cos, const void* sin, const int64_t* slots,
+                     void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads, int kv_heads, int dim,
+                     int threads) {
+    const int64_t half = dim / 2, width = static_cast<int64_t>(kv_heads) * dim;
+    const float* x = static_cast<const float*>(qkv);
+    _Float16* kc = static_cast<_Float16*>(k_cache);
+    _Float16* vc = static_cast<_Float16*>(v_cache);
+#pragma omp parallel num_threads(threads) if (tokens > 1)
+    {
+        std::vector<float> k(static_cast<size_t>(width));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; ++t) {
+            const int64_t row = t * qkv_stride, slot = slots[t];
+            for (int j = 0; j < heads; ++j)
+                rope_head<kDtypeF32>(qkv, row + j * dim, cos, sin, t * half, q_out, (t * heads + j) * dim, half);
+            for (int j = 0; j < kv_heads; ++j)
+                rope_head<kDtypeF32>(qkv, row + (heads + j) * dim, cos, sin, t * half, k.data(), j * dim, half);
+            const float* v = x + row + static_cast<int64_t>(heads + kv_heads) * dim;
+            for (int64_t i = 0; i < width; ++i) kc[slot * width + i] = static_cast<_Float16>(k[i]);
+            for (int64_t i = 0; i < width; ++i) vc[slot * width + i] = static_cast<_Float16>(v[i]);
+        }
+    }
+}
+
+}  // namespace
+
 extern "C" {
 
 int brine_elementwise_supported() { return 1; }  // every tier (kept for the loader's check)
@@ -399,14 +431,20 @@ int brine_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int6
 }
 
 // qkv [tokens, (heads + 2 kv_heads) dim] with row stride qkv_stride (elements); cos, sin [tokens, dim / 2] in
-// the model dtype; slots [tokens]: k and v go to k_cache / v_cache [slot][kv_heads][dim] (contiguous);
+// the model dtype; slots [tokens]: k and v go to k_cache / v_cache [slot][kv_heads][dim] (contiguous), of
+// kv_dtype: the model dtype, or float16 under float32 (rounded to nearest even);
 // q_out [tokens, heads, dim]. Every token's K and V are written before this returns.
-int brine_rope_write(int dtype, const void* qkv, int64_t qkv_stride, const void* cos, const void* sin,
+int brine_rope_write(int dtype, int kv_dtype, const void* qkv, int64_t qkv_stride, const void* cos, const void* sin,
                      const int64_t* slots, void* k_cache, void* v_cache, void* q_out, int64_t tokens, int heads,
                      int kv_heads, int dim, int threads) {
     if (tokens < 0 || heads <= 0 || kv_heads <= 0 || dim <= 0 || dim % 2 || threads <= 0 ||
         (dtype != kDtypeF32 && dtype != kDtypeBF16))
         return 1;
+    if (kv_dtype != dtype) {  // float16 caches under float32 only
+        if (dtype != kDtypeF32 || kv_dtype != brine::kDtypeF16) return 1;
+        rope_write_kv16(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
+        return 0;
+    }
     if (dtype == kDtypeF32)
         rope_write<kDtypeF32>(qkv, qkv_stride, cos, sin, slots, k_cache, v_cache, q_out, tokens, heads, kv_heads, dim, threads);
     else

@@ -7,6 +7,9 @@
 // weights' sum. Nothing is gathered into contiguous tensors first, so a cached context costs only its reads,
 // and no running max is ever rescaled.
 //
+// The caches are in the query's dtype, or in float16 under float32 queries (`--kv-cache-dtype float16`): each
+// float16 key and value widens to float32 exactly, and the float32 paths run on the widened numbers.
+//
 // Two implementations of the same contract:
 //   - the generic one (any dtype, block size and head_dim): float32 arithmetic, explicit fmaf;
 //   - in bfloat16 with 16-key blocks and head_dim a multiple of 32, where the CPU has AVX512-BF16: scores are
@@ -179,7 +182,7 @@ struct ItemKeys {
 // The generic implementation. BSC, DC: block size and head_dim fixed at compile time (0: taken from the
 // arguments). The fixed ones let the compiler keep a row block's scores and a row's output in registers; the
 // arithmetic is the same.
-template <int DT, int BSC, int DC>
+template <int DT, int KT, int BSC, int DC>
 void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) {
     const int BS = BSC ? BSC : a.block_size, D = DC ? DC : a.head_dim;
     const ItemKeys ik(a, item, BS);
@@ -217,7 +220,7 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
         const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
         for (int j = 0; j < BS; ++j)
-            for (int d = 0; d < D; ++d) kt[d * BS + j] = load<DT>(a.k_cache, base + j * key_stride + d);
+            for (int d = 0; d < D; ++d) kt[d * BS + j] = load<KT>(a.k_cache, base + j * key_stride + d);
         for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
             // Four separate accumulators (not one 2-D array), so that the compiler keeps all in registers.
             constexpr int W = BSC ? BSC : kMaxBlock;
@@ -268,7 +271,7 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
         const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
         for (int j = 0; j < BS; ++j)
-            for (int d = 0; d < D; ++d) vf[j * D + d] = load<DT>(a.v_cache, base + j * key_stride + d);
+            for (int d = 0; d < D; ++d) vf[j * D + d] = load<KT>(a.v_cache, base + j * key_stride + d);
         for (int t = 0; t < ntok; ++t) {
             int vlo, vhi;
             ik.visible(a, t, b, BS, vlo, vhi);
@@ -648,16 +651,38 @@ inline simd::VF exp_nonpos_lanes(simd::VF x) {  // exp_nonpos, lane by lane: the
     return vmul(y, vpow2i(n));
 }
 
+// A float32 step's cache element: float, or a float16 cache's bits (`brine serve --kv-cache-dtype float16`). A
+// float16 key or value widens to float32 exactly, so every path below does the float32 cache's arithmetic on the
+// widened values: the bits are those of a float32 cache that holds the same float16-rounded numbers.
+template <int KT>
+struct CacheElem {
+    using type = float;
+};
+template <>
+struct CacheElem<kDtypeF16> {
+    using type = uint16_t;
+};
+inline float widen(float x) { return x; }
+inline float widen(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return simd::half_to_float(h);
+#endif
+}
+inline simd::VF vload_kv(const float* p) { return simd::vload(p); }
+inline simd::VF vload_kv(const uint16_t* p) { return simd::vload_f16(p); }
+
 // Scores of keys kb[0 .. N) (each a row of D floats, `stride` apart) for the group's 16 rows: s[j] lane l =
 // sum over d in order of qT[d][l] k[j][d].
-template <int N, int D>
-inline void lane_scores(const float* qT, const float* kb, int64_t stride, float* s) {
+template <int N, int D, typename E>
+inline void lane_scores(const float* qT, const E* kb, int64_t stride, float* s) {
     using namespace simd;
     VF acc[N];
     for (int j = 0; j < N; ++j) acc[j] = vzero();
     for (int d = 0; d < D; ++d) {
         const VF q = vload(qT + d * kLanes);
-        for (int j = 0; j < N; ++j) acc[j] = vfmadd(q, vset1(kb[j * stride + d]), acc[j]);
+        for (int j = 0; j < N; ++j) acc[j] = vfmadd(q, vset1(widen(kb[j * stride + d])), acc[j]);
     }
     for (int j = 0; j < N; ++j) vstore(s + j * kLanes, acc[j]);
 }
@@ -672,20 +697,24 @@ constexpr int kValueBlocks = 8;  // 128 keys: 32 KB of float32 values at head_di
 // Blocks ahead that the float32 walks ask for: as many bytes in flight as kPrefetchBlocks of bfloat16 at head_dim 64.
 constexpr int kLanePrefetch = 8;
 
-// KV head kvh's rows of block b of a float32 cache with 16-key blocks (row j at j x kv_heads x D floats).
-inline const float* f32_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
-    return static_cast<const float*>(cache) + (static_cast<int64_t>(table[b]) * 16 * a.kv_heads + kvh) * D;
+// KV head kvh's rows of block b of a float32 step's cache (E: CacheElem) with 16-key blocks (row j at j x
+// kv_heads x D elements).
+template <typename E>
+inline const E* kv_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
+    return static_cast<const E*>(cache) + (static_cast<int64_t>(table[b]) * 16 * a.kv_heads + kvh) * D;
 }
 // Asks for those rows in L2: they are scattered (kv_heads apart, blocks anywhere), where the hardware prefetcher
 // would not guess them.
-inline void prefetch_f32_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
-    const char* p = reinterpret_cast<const char*>(f32_block(a, cache, table, b, kvh, D));
-    const int64_t stride = static_cast<int64_t>(a.kv_heads) * D * 4;
+template <typename E>
+inline void prefetch_kv_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
+    const char* p = reinterpret_cast<const char*>(kv_block<E>(a, cache, table, b, kvh, D));
+    constexpr int64_t kBytes = sizeof(E);
+    const int64_t stride = static_cast<int64_t>(a.kv_heads) * D * kBytes;
     for (int j = 0; j < 16; ++j)
-        for (int o = 0; o < D * 4; o += 64) __builtin_prefetch(p + j * stride + o, 0, 2);
+        for (int o = 0; o < D * kBytes; o += 64) __builtin_prefetch(p + j * stride + o, 0, 2);
 }
 
-template <int N, int D>
+template <int N, int D, typename E>
 inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, int b_hi, int b0, int b1, int full_lo,
                         int full_hi, simd::VF vlo, simd::VF vhi, const float* w, int d0, float* acc) {
     using namespace simd;
@@ -693,22 +722,22 @@ inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, 
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
     VF o[N];
     for (int i = 0; i < N; ++i) o[i] = b0 == w_lo ? vzero() : vload(acc + (d0 + i) * kLanes);
-    const auto prefetch = [&](int b) { prefetch_f32_block(a, a.v_cache, table, b, kvh, D); };
+    const auto prefetch = [&](int b) { prefetch_kv_block<E>(a, a.v_cache, table, b, kvh, D); };
     if (d0 == 0 && b0 == w_lo)  // see kLanePrefetch: the first chunk's walk asks for the blocks ahead
         for (int b = b0; b < std::min(b_hi, b0 + kLanePrefetch); ++b) prefetch(b);
     for (int b = b0; b < b1; ++b) {
         if (d0 == 0 && b + kLanePrefetch < b_hi) prefetch(b + kLanePrefetch);
-        const float* vb = f32_block(a, a.v_cache, table, b, kvh, D) + d0;
+        const E* vb = kv_block<E>(a, a.v_cache, table, b, kvh, D) + d0;
         const float* p = w + (b - w_lo) * BS * kLanes;
         if (full_lo <= BS * b && full_hi >= BS * b + BS) {
             for (int j = 0; j < BS; ++j) {
                 const VF pj = vload(p + j * kLanes);
-                for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vset1(vb[j * stride + i]), o[i]);
+                for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vset1(widen(vb[j * stride + i])), o[i]);
             }
         } else {
             for (int j = 0; j < BS; ++j) {
                 const VF pj = vload(p + j * kLanes), pos = vset1(static_cast<float>(BS * b + j));
-                for (int i = 0; i < N; ++i) o[i] = vkeep(pos, vlo, vhi, vfmadd(pj, vset1(vb[j * stride + i]), o[i]), o[i]);
+                for (int i = 0; i < N; ++i) o[i] = vkeep(pos, vlo, vhi, vfmadd(pj, vset1(widen(vb[j * stride + i])), o[i]), o[i]);
             }
         }
     }
@@ -717,7 +746,7 @@ inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, 
 
 // Rows r0 .. r0 + 16 of one item (fewer at its end: the pad lanes repeat the last row's keys with a zero query
 // and are not stored) for KV head kvh, float32 caches.
-template <int DC>
+template <int DC, typename E>
 void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vector<float>& buf) {
     using namespace simd;
     constexpr int BS = 16, D = DC;
@@ -750,15 +779,15 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
     // Pass 1: scores, and each row's max over the keys it sees.
     VF mx = vset1(-INFINITY);
     // The keys' blocks, kLanePrefetch ahead, into L2.
-    const auto prefetch_keys = [&](int b) { prefetch_f32_block(a, a.k_cache, ik.table, b, kvh, D); };
+    const auto prefetch_keys = [&](int b) { prefetch_kv_block<E>(a, a.k_cache, ik.table, b, kvh, D); };
     for (int b = b_lo; b < std::min(b_hi, b_lo + kLanePrefetch); ++b) prefetch_keys(b);
     for (int b = b_lo; b < b_hi; ++b) {
-        const float* kb = f32_block(a, a.k_cache, ik.table, b, kvh, D);
+        const E* kb = kv_block<E>(a, a.k_cache, ik.table, b, kvh, D);
         if (b + kLanePrefetch < b_hi) prefetch_keys(b + kLanePrefetch);
         float* s = w + (b - b_lo) * BS * kLanes;
         for (int j0 = 0; j0 < BS; j0 += kChunk)
             with_count<kChunk>(std::min(kChunk, BS - j0), [&](auto N) {
-                lane_scores<N.value, D>(qT, kb + j0 * stride, stride, s + j0 * kLanes);
+                lane_scores<N.value, D, E>(qT, kb + j0 * stride, stride, s + j0 * kLanes);
             });
         const bool whole = full(b);
         for (int j = 0; j < BS; ++j) {
@@ -782,7 +811,7 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
         const int b1 = std::min(b_hi, b0 + kValueBlocks);
         for (int d0 = 0; d0 < D; d0 += kChunk)
             with_count<kChunk>(std::min(kChunk, D - d0), [&](auto N) {
-                lane_values<N.value, D>(a, ik.table, kvh, b_lo, b_hi, b0, b1, full_lo, full_hi, vlo, vhi, w, d0, acc);
+                lane_values<N.value, D, E>(a, ik.table, kvh, b_lo, b_hi, b0, b1, full_lo, full_hi, vlo, vhi, w, d0, acc);
             });
     }
     for (int h = BS / 2; h >= 1; h /= 2)  // the sums' halving tree over the key lanes
@@ -830,19 +859,24 @@ inline void transpose8x8(__m256 r[8]) {
 
 // kt[d * 16 + j] = kb[j * stride + d]: a block's 16 keys (rows of D floats, stride apart), transposed. Only AVX2
 // takes attend_keys today (kKeyRowsMax); elsewhere the plain loops stand until a tier measures it.
-template <int D>
-inline void transpose_keys(const float* kb, int64_t stride, float* kt) {
+#if defined(BRINE_SIMD_AVX2)
+inline __m256 load8_kv(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_kv(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
+template <int D, typename E>
+inline void transpose_keys(const E* kb, int64_t stride, float* kt) {
 #if defined(BRINE_SIMD_AVX2)
     for (int d0 = 0; d0 < D; d0 += 8)
         for (int j0 = 0; j0 < 16; j0 += 8) {
             __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(kb + (j0 + i) * stride + d0);
+            for (int i = 0; i < 8; ++i) r[i] = load8_kv(kb + (j0 + i) * stride + d0);
             transpose8x8(r);
             for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * 16 + j0, r[i]);
         }
 #else
     for (int j = 0; j < 16; ++j)
-        for (int d = 0; d < D; ++d) kt[d * 16 + j] = kb[j * stride + d];
+        for (int d = 0; d < D; ++d) kt[d * 16 + j] = widen(kb[j * stride + d]);
 #endif
 }
 
@@ -890,7 +924,7 @@ inline void key_scores(const float* q, int D, const float* kt, simd::VF* s) {  /
 
 // Output dims [d0, d0 + 16 N) of one row over blocks [b0, b1): o = fma(w[key], v[key][dim], o), key by key over
 // the keys [klo, khi) it sees, continuing from acc.
-template <int N>
+template <int N, typename E>
 inline void key_values(const Args& a, const int32_t* table, int kvh, int D, int b0, int b1, int b_lo, int klo, int khi,
                        const float* w, int d0, float* acc) {
     using namespace simd;
@@ -899,18 +933,18 @@ inline void key_values(const Args& a, const int32_t* table, int kvh, int D, int 
     VF o[N];
     for (int i = 0; i < N; ++i) o[i] = vload(acc + d0 + 16 * i);
     for (int b = b0; b < b1; ++b) {
-        const float* vb = f32_block(a, a.v_cache, table, b, kvh, D) + d0;
+        const E* vb = kv_block<E>(a, a.v_cache, table, b, kvh, D) + d0;
         const float* p = w + (b - b_lo) * BS;
         const int jlo = std::max(klo - BS * b, 0), jhi = std::min(khi - BS * b, BS);
         for (int j = jlo; j < jhi; ++j) {
             const VF pj = vset1(p[j]);
-            for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vload(vb + j * stride + 16 * i), o[i]);
+            for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vload_kv(vb + j * stride + 16 * i), o[i]);
         }
     }
     for (int i = 0; i < N; ++i) vstore(acc + d0 + 16 * i, o[i]);
 }
 
-template <int DC>
+template <int DC, typename E>
 void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>& buf) {
     using namespace simd;
     constexpr int BS = 16, D = DC;
@@ -932,13 +966,13 @@ void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>&
     for (int j = 0; j < kLanes; ++j) iota[j] = static_cast<float>(j);
     const VF lane = vload(iota);
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
-    const auto prefetch = [&](const void* cache, int b) { prefetch_f32_block(a, cache, ik.table, b, kvh, D); };
+    const auto prefetch = [&](const void* cache, int b) { prefetch_kv_block<E>(a, cache, ik.table, b, kvh, D); };
     // Pass 1: scores, and each row's max per key lane over the keys it sees.
     for (int r = 0; r < R; ++r) vstore(mx + r * kLanes, vset1(-INFINITY));
     for (int b = b_lo; b < std::min(b_hi, b_lo + kLanePrefetch); ++b) prefetch(a.k_cache, b);
     for (int b = b_lo; b < b_hi; ++b) {
         if (b + kLanePrefetch < b_hi) prefetch(a.k_cache, b + kLanePrefetch);
-        transpose_keys<D>(f32_block(a, a.k_cache, ik.table, b, kvh, D), stride, kt);
+        transpose_keys<D>(kv_block<E>(a, a.k_cache, ik.table, b, kvh, D), stride, kt);
         const VF pos = vadd(lane, vset1(static_cast<float>(BS * b)));
         for (int r0 = 0; r0 < R; r0 += kKeyRowGroup)
             with_count<kKeyRowGroup>(std::min(kKeyRowGroup, R - r0), [&](auto N) {
@@ -981,7 +1015,7 @@ void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>&
             const int t = r / G;
             for (int d0 = 0; d0 < D; d0 += 16 * kKeyOutVecs)
                 with_count<kKeyOutVecs>(std::min(kKeyOutVecs, (D - d0) / 16), [&](auto N) {
-                    key_values<N.value>(a, ik.table, kvh, D, b0, b1, b_lo, ik.first_key(a, t), ik.end_key(a, t),
+                    key_values<N.value, E>(a, ik.table, kvh, D, b0, b1, b_lo, ik.first_key(a, t), ik.end_key(a, t),
                                         w + static_cast<int64_t>(r) * span, d0, acc + r * D);
                 });
         }
@@ -996,10 +1030,10 @@ void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>&
     }
 }
 
-template <int DT, int BSC, int DC>
+template <int DT, int KT, int BSC, int DC>
 void run_items(const Args& a, int threads) {
 #if BRINE_BF16_SCORES
-    if constexpr (DT == kDtypeBF16 && BSC == 16 && DC > 0 && DC % 32 == 0) {
+    if constexpr (DT == kDtypeBF16 && KT == kDtypeBF16 && BSC == 16 && DC > 0 && DC % 32 == 0) {
         return run_bf16_items<DC>(a, threads);
     }
 #endif
@@ -1011,29 +1045,30 @@ void run_items(const Args& a, int threads) {
         for (int64_t w = 0; w < work; ++w) {
             const int64_t item = w / a.kv_heads;
             const int kvh = static_cast<int>(w % a.kv_heads);
-            if constexpr (DT == kDtypeF32 && BSC == 16 && DC > 0 && DC % 16 == 0) {
+            if constexpr (DT == kDtypeF32 && (KT == kDtypeF32 || KT == kDtypeF16) && BSC == 16 && DC > 0 && DC % 16 == 0) {
+                using E = typename CacheElem<KT>::type;
                 const ItemKeys ik(a, item, 16);
                 const int rows = ik.ntok * (a.heads / a.kv_heads);
                 const bool tail = ik.ctx - ik.pos0 <= kKeyTailTokens && ik.pos0 >= kKeyTailContext;
                 if (rows <= kKeyRowsMax || (tail && rows <= kKeyRowsTail)) {
-                    attend_keys<DC>(a, ik, kvh, buf);
+                    attend_keys<DC, E>(a, ik, kvh, buf);
                     continue;
                 }
                 if (rows >= kLaneRowsMin) {
-                    for (int r0 = 0; r0 < rows; r0 += kLanes) attend_lanes<DC>(a, ik, kvh, r0, buf);
+                    for (int r0 = 0; r0 < rows; r0 += kLanes) attend_lanes<DC, E>(a, ik, kvh, r0, buf);
                     continue;
                 }
             }
-            attend_item<DT, BSC, DC>(a, item, kvh, buf);
+            attend_item<DT, KT, BSC, DC>(a, item, kvh, buf);
         }
     }
 }
 
-template <int DT>
+template <int DT, int KT>
 void run(const Args& a, int threads) {
-    if (a.block_size == 16 && a.head_dim == 64) return run_items<DT, 16, 64>(a, threads);
-    if (a.block_size == 16 && a.head_dim == 128) return run_items<DT, 16, 128>(a, threads);
-    run_items<DT, 0, 0>(a, threads);
+    if (a.block_size == 16 && a.head_dim == 64) return run_items<DT, KT, 16, 64>(a, threads);
+    if (a.block_size == 16 && a.head_dim == 128) return run_items<DT, KT, 16, 128>(a, threads);
+    run_items<DT, KT, 0, 0>(a, threads);
 }
 
 }  // namespace
@@ -1041,9 +1076,10 @@ void run(const Args& a, int threads) {
 extern "C" {
 
 // Bumped whenever the arguments change: the loader refuses a library that says otherwise.
-int brine_paged_attention_abi() { return 1; }
+int brine_paged_attention_abi() { return 2; }
 
-int brine_paged_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
+// dtype: q's and out's; kv_dtype: the caches', the same, or float16 under float32 (`--kv-cache-dtype float16`).
+int brine_paged_attention(int dtype, int kv_dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_cache,
                           const void* v_cache, void* out, const int32_t* items, int64_t num_items,
                           const int32_t* tables, int64_t table_width, int heads, int kv_heads, int head_dim,
                           int block_size, int causal, int window, float scale, int threads) {
@@ -1052,10 +1088,15 @@ int brine_paged_attention(int dtype, const void* q, int64_t q_stride_t, int64_t 
         return 1;
     Args a{q,     q_stride_t, q_stride_h, k_cache,  v_cache,  out,        items,     num_items, tables,
            table_width, heads,      kv_heads,   head_dim, block_size, causal, window, scale};
+    if (kv_dtype != dtype) {
+        if (dtype != kDtypeF32 || kv_dtype != kDtypeF16) return 2;
+        run<kDtypeF32, kDtypeF16>(a, threads);
+        return 0;
+    }
     switch (dtype) {
-        case kDtypeF32: run<kDtypeF32>(a, threads); return 0;
-        case kDtypeBF16: run<kDtypeBF16>(a, threads); return 0;
-        case kDtypeF16: run<kDtypeF16>(a, threads); return 0;
+        case kDtypeF32: run<kDtypeF32, kDtypeF32>(a, threads); return 0;
+        case kDtypeBF16: run<kDtypeBF16, kDtypeBF16>(a, threads); return 0;
+        case kDtypeF16: run<kDtypeF16, kDtypeF16>(a, threads); return 0;
         default: return 2;
     }
 }
