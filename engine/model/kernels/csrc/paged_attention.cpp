@@ -673,6 +673,15 @@ inline float widen(uint16_t h) {
 inline simd::VF vload_kv(const float* p) { return simd::vload(p); }
 inline simd::VF vload_kv(const uint16_t* p) { return simd::vload_f16(p); }
 
+// A float16 block's 16 rows of D (stride apart) widened into out[16][D], 16 at a time: the row-lanes path reads
+// every key and value once per 16 rows, by scalar broadcasts, where a widening per element cost it 1.3-1.4x on
+// a prefill; widened once per block (per run of blocks for the values) it reads floats as over a float32 cache.
+template <int D>
+inline void widen_rows(const uint16_t* src, int64_t stride, float* out) {
+    for (int j = 0; j < 16; ++j)
+        for (int d = 0; d < D; d += 16) simd::vstore(out + j * D + d, simd::vload_f16(src + j * stride + d));
+}
+
 // Scores of keys kb[0 .. N) (each a row of D floats, `stride` apart) for the group's 16 rows: s[j] lane l =
 // sum over d in order of qT[d][l] k[j][d].
 template <int N, int D, typename E>
@@ -714,9 +723,10 @@ inline void prefetch_kv_block(const Args& a, const void* cache, const int32_t* t
         for (int o = 0; o < D * kBytes; o += 64) __builtin_prefetch(p + j * stride + o, 0, 2);
 }
 
+// A float16 cache's values come widened: `wide` holds blocks [b0, b1) as [block][16][D] floats.
 template <int N, int D, typename E>
 inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, int b_hi, int b0, int b1, int full_lo,
-                        int full_hi, simd::VF vlo, simd::VF vhi, const float* w, int d0, float* acc) {
+                        int full_hi, simd::VF vlo, simd::VF vhi, const float* w, int d0, float* acc, const float* wide) {
     using namespace simd;
     constexpr int BS = 16;
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
@@ -727,19 +737,24 @@ inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, 
         for (int b = b0; b < std::min(b_hi, b0 + kLanePrefetch); ++b) prefetch(b);
     for (int b = b0; b < b1; ++b) {
         if (d0 == 0 && b + kLanePrefetch < b_hi) prefetch(b + kLanePrefetch);
-        const E* vb = kv_block<E>(a, a.v_cache, table, b, kvh, D) + d0;
         const float* p = w + (b - w_lo) * BS * kLanes;
-        if (full_lo <= BS * b && full_hi >= BS * b + BS) {
-            for (int j = 0; j < BS; ++j) {
-                const VF pj = vload(p + j * kLanes);
-                for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vset1(widen(vb[j * stride + i])), o[i]);
+        const auto walk = [&](const auto* vb, int64_t rs) {
+            if (full_lo <= BS * b && full_hi >= BS * b + BS) {
+                for (int j = 0; j < BS; ++j) {
+                    const VF pj = vload(p + j * kLanes);
+                    for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vset1(widen(vb[j * rs + i])), o[i]);
+                }
+            } else {
+                for (int j = 0; j < BS; ++j) {
+                    const VF pj = vload(p + j * kLanes), pos = vset1(static_cast<float>(BS * b + j));
+                    for (int i = 0; i < N; ++i) o[i] = vkeep(pos, vlo, vhi, vfmadd(pj, vset1(widen(vb[j * rs + i])), o[i]), o[i]);
+                }
             }
-        } else {
-            for (int j = 0; j < BS; ++j) {
-                const VF pj = vload(p + j * kLanes), pos = vset1(static_cast<float>(BS * b + j));
-                for (int i = 0; i < N; ++i) o[i] = vkeep(pos, vlo, vhi, vfmadd(pj, vset1(widen(vb[j * stride + i])), o[i]), o[i]);
-            }
-        }
+        };
+        if constexpr (std::is_same_v<E, float>)
+            walk(kv_block<E>(a, a.v_cache, table, b, kvh, D) + d0, stride);
+        else
+            walk(wide + static_cast<int64_t>(b - b0) * BS * D + d0, int64_t{D});
     }
     for (int i = 0; i < N; ++i) vstore(acc + (d0 + i) * kLanes, o[i]);
 }
@@ -764,11 +779,14 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
     const int b_lo = ik.first_key(a, t_first) / BS, b_hi = (ik.end_key(a, t_last) + BS - 1) / BS;
     const int full_lo = ik.first_key(a, t_last), full_hi = ik.end_key(a, t_first);
     const int span = (b_hi - b_lo) * BS;
-    buf.resize(static_cast<size_t>(kLanes) * (2 * D + span + BS));
+    const size_t wide = std::is_same_v<E, float> ? 0 : static_cast<size_t>(BS) * D * (1 + kValueBlocks);
+    buf.resize(static_cast<size_t>(kLanes) * (2 * D + span + BS) + wide);
     float* qT = buf.data();        // [D][16] scaled queries
     float* w = qT + D * kLanes;    // [span][16] scores, then weights
     float* ls = w + span * kLanes; // [16 key lanes][16] sums of weights
     float* acc = ls + BS * kLanes; // [D][16] weighted sums of values
+    float* kwide = acc + D * kLanes;  // a float16 cache's: one block's keys widened, [16][D]
+    float* vwide = kwide + BS * D;    // and a run's values, [kValueBlocks][16][D]
     for (int l = 0; l < kLanes; ++l) {
         const int r = r0 + l;
         const int64_t qo = l < rows ? (ik.tok0 + r / G) * a.q_stride_t + (kvh * G + r % G) * a.q_stride_h : 0;
@@ -785,9 +803,15 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
         const E* kb = kv_block<E>(a, a.k_cache, ik.table, b, kvh, D);
         if (b + kLanePrefetch < b_hi) prefetch_keys(b + kLanePrefetch);
         float* s = w + (b - b_lo) * BS * kLanes;
+        const float* keys = reinterpret_cast<const float*>(kb);  // (E float; else widened below)
+        int64_t ks = stride;
+        if constexpr (!std::is_same_v<E, float>) {
+            widen_rows<D>(kb, stride, kwide);
+            keys = kwide, ks = D;
+        }
         for (int j0 = 0; j0 < BS; j0 += kChunk)
             with_count<kChunk>(std::min(kChunk, BS - j0), [&](auto N) {
-                lane_scores<N.value, D, E>(qT, kb + j0 * stride, stride, s + j0 * kLanes);
+                lane_scores<N.value, D, float>(qT, keys + j0 * ks, ks, s + j0 * kLanes);
             });
         const bool whole = full(b);
         for (int j = 0; j < BS; ++j) {
@@ -809,9 +833,13 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
     }
     for (int b0 = b_lo; b0 < b_hi; b0 += kValueBlocks) {
         const int b1 = std::min(b_hi, b0 + kValueBlocks);
+        if constexpr (!std::is_same_v<E, float>)
+            for (int b = b0; b < b1; ++b)
+                widen_rows<D>(kv_block<E>(a, a.v_cache, ik.table, b, kvh, D), stride, vwide + (b - b0) * BS * D);
         for (int d0 = 0; d0 < D; d0 += kChunk)
             with_count<kChunk>(std::min(kChunk, D - d0), [&](auto N) {
-                lane_values<N.value, D, E>(a, ik.table, kvh, b_lo, b_hi, b0, b1, full_lo, full_hi, vlo, vhi, w, d0, acc);
+                lane_values<N.value, D, E>(a, ik.table, kvh, b_lo, b_hi, b0, b1, full_lo, full_hi, vlo, vhi, w, d0, acc,
+                                           vwide);
             });
     }
     for (int h = BS / 2; h >= 1; h /= 2)  // the sums' halving tree over the key lanes
