@@ -219,8 +219,17 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
-        for (int j = 0; j < BS; ++j)
-            for (int d = 0; d < D; ++d) kt[d * BS + j] = load<KT>(a.k_cache, base + j * key_stride + d);
+        if constexpr (KT == kDtypeF16 && DC > 0 && DC % 16 == 0) {  // widened 16 at a time (a scalar widening
+            alignas(64) float row[DC > 0 ? DC : 1];                  // per element cost a decode 1.6x)
+            for (int j = 0; j < BS; ++j) {
+                const uint16_t* kr = static_cast<const uint16_t*>(a.k_cache) + base + j * key_stride;
+                for (int d = 0; d < D; d += 16) simd::vstore(row + d, simd::vload_f16(kr + d));
+                for (int d = 0; d < D; ++d) kt[d * BS + j] = row[d];
+            }
+        } else {
+            for (int j = 0; j < BS; ++j)
+                for (int d = 0; d < D; ++d) kt[d * BS + j] = load<KT>(a.k_cache, base + j * key_stride + d);
+        }
         for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
             // Four separate accumulators (not one 2-D array), so that the compiler keeps all in registers.
             constexpr int W = BSC ? BSC : kMaxBlock;
@@ -270,8 +279,15 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
-        for (int j = 0; j < BS; ++j)
-            for (int d = 0; d < D; ++d) vf[j * D + d] = load<KT>(a.v_cache, base + j * key_stride + d);
+        if constexpr (KT == kDtypeF16 && DC > 0 && DC % 16 == 0) {
+            for (int j = 0; j < BS; ++j) {
+                const uint16_t* vr = static_cast<const uint16_t*>(a.v_cache) + base + j * key_stride;
+                for (int d = 0; d < D; d += 16) simd::vstore(vf + j * D + d, simd::vload_f16(vr + d));
+            }
+        } else {
+            for (int j = 0; j < BS; ++j)
+                for (int d = 0; d < D; ++d) vf[j * D + d] = load<KT>(a.v_cache, base + j * key_stride + d);
+        }
         for (int t = 0; t < ntok; ++t) {
             int vlo, vhi;
             ik.visible(a, t, b, BS, vlo, vhi);
