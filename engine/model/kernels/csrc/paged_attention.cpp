@@ -700,14 +700,14 @@ inline void widen_rows(const uint16_t* src, int64_t stride, float* out) {
 
 // Scores of keys kb[0 .. N) (each a row of D floats, `stride` apart) for the group's 16 rows: s[j] lane l =
 // sum over d in order of qT[d][l] k[j][d].
-template <int N, int D, typename E>
-inline void lane_scores(const float* qT, const E* kb, int64_t stride, float* s) {
+template <int N, int D>
+inline void lane_scores(const float* qT, const float* kb, int64_t stride, float* s) {
     using namespace simd;
     VF acc[N];
     for (int j = 0; j < N; ++j) acc[j] = vzero();
     for (int d = 0; d < D; ++d) {
         const VF q = vload(qT + d * kLanes);
-        for (int j = 0; j < N; ++j) acc[j] = vfmadd(q, vset1(widen(kb[j * stride + d])), acc[j]);
+        for (int j = 0; j < N; ++j) acc[j] = vfmadd(q, vset1(kb[j * stride + d]), acc[j]);
     }
     for (int j = 0; j < N; ++j) vstore(s + j * kLanes, acc[j]);
 }
@@ -754,16 +754,16 @@ inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, 
     for (int b = b0; b < b1; ++b) {
         if (d0 == 0 && b + kLanePrefetch < b_hi) prefetch(b + kLanePrefetch);
         const float* p = w + (b - w_lo) * BS * kLanes;
-        const auto walk = [&](const auto* vb, int64_t rs) {
+        const auto walk = [&](const float* vb, int64_t rs) {
             if (full_lo <= BS * b && full_hi >= BS * b + BS) {
                 for (int j = 0; j < BS; ++j) {
                     const VF pj = vload(p + j * kLanes);
-                    for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vset1(widen(vb[j * rs + i])), o[i]);
+                    for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vset1(vb[j * rs + i]), o[i]);
                 }
             } else {
                 for (int j = 0; j < BS; ++j) {
                     const VF pj = vload(p + j * kLanes), pos = vset1(static_cast<float>(BS * b + j));
-                    for (int i = 0; i < N; ++i) o[i] = vkeep(pos, vlo, vhi, vfmadd(pj, vset1(widen(vb[j * rs + i])), o[i]), o[i]);
+                    for (int i = 0; i < N; ++i) o[i] = vkeep(pos, vlo, vhi, vfmadd(pj, vset1(vb[j * rs + i]), o[i]), o[i]);
                 }
             }
         };
@@ -827,7 +827,7 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
         }
         for (int j0 = 0; j0 < BS; j0 += kChunk)
             with_count<kChunk>(std::min(kChunk, BS - j0), [&](auto N) {
-                lane_scores<N.value, D, float>(qT, keys + j0 * ks, ks, s + j0 * kLanes);
+                lane_scores<N.value, D>(qT, keys + j0 * ks, ks, s + j0 * kLanes);
             });
         const bool whole = full(b);
         for (int j = 0; j < BS; ++j) {
