@@ -136,9 +136,8 @@ def run_cases(args: argparse.Namespace, backends: dict, what: str) -> int:
         size: tuple(torch.randn(blocks, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
         for size, blocks in (("small", small_blocks), ("large", LARGE_BLOCKS))
     }
-    if (
-        args.kv_float16
-    ):  # the float32 cache holds the float16 cache's numbers: the outputs must have the same bits
+    if args.kv_float16:
+        # the float32 cache holds the float16 cache's numbers: the outputs must have the same bits
         caches = {size: tuple(c.half().float() for c in kv) for size, kv in caches.items()}
         half = {size: tuple(c.half() for c in kv) for size, kv in caches.items()}
     first, second = backends

@@ -87,9 +87,8 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
     activations halves the bytes a step reads from a long cached context, which on CPU is what a warm request
     and a long decode wait on (docs/determinism.md#a-float16-kv-cache says what it costs); it needs Brine's
     CPU attention, which the runner checks once it has chosen the backend. ValueError for anything else."""
-    name = {"fp16": "float16", "half": "float16"}.get(
-        (name or "auto").strip().lower(), (name or "").strip().lower()
-    )
+    name = (name or "auto").strip().lower()
+    name = {"fp16": "float16", "half": "float16"}.get(name, name)
     if name == "auto" or (name == "float16" and dtype == torch.float16):
         return dtype
     if name != "float16":

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.attention.base import AttentionMetadata
-from engine.model.kernels.build import DTYPE_CODES, Kernels
+from engine.model.kernels.build import DTYPE_CODES, Kernels, kv_dtype_runs
 
 MAX_ITEM_TOKENS = 16  # query tokens of one request per work item: they share each block's conversion
 # A request's query is cut into items for idle threads only from this many tokens. Every item walks the
@@ -101,8 +101,7 @@ class NativeBackend:
     ) -> torch.Tensor:
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape
-        kv_ok = k_cache.dtype == q.dtype or (q.dtype == torch.float32 and k_cache.dtype == torch.float16)
-        if q.device.type != "cpu" or not kv_ok or q.dtype not in DTYPE_CODES:
+        if q.device.type != "cpu" or not kv_dtype_runs(q.dtype, k_cache.dtype) or q.dtype not in DTYPE_CODES:
             raise ValueError(
                 "native attention runs on CPU float32/bfloat16/float16 (and float32 over a float16 cache), got "
                 f"{q.dtype} over a {k_cache.dtype} cache on {q.device}"

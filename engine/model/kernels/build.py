@@ -54,6 +54,15 @@ HEADERS = (
 # kernels take float32 and bfloat16 only.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLOAT32_BF16_CODES = {dt: code for dt, code in DTYPE_CODES.items() if dt != torch.float16}
+
+
+def kv_dtype_runs(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the kernels that read or write the KV cache (the attention, the rope write, the decoder stack)
+    run a cache of `kv_dtype` under `dtype` activations: the same dtype, or float16 under float32
+    (`--kv-cache-dtype float16`)."""
+    return kv_dtype == dtype or (dtype == torch.float32 and kv_dtype == torch.float16)
+
+
 ABI = 2  # what brine_paged_attention_abi() must return (bumped with the C signature)
 QUANT_ABI = 3  # what brine_quant_linear_abi() must return
 STACK_ABI = 4  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)

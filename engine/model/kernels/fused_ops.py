@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.kernels.build import DTYPE_CODES, FLOAT32_BF16_CODES, Elementwise, load
+from engine.model.kernels.build import DTYPE_CODES, FLOAT32_BF16_CODES, Elementwise, kv_dtype_runs, load
 
 
 def _native(x: torch.Tensor) -> Elementwise | None:  # None: the torch path
@@ -97,11 +97,9 @@ def rope_and_write(
     kernels = _native(qkv)
     t, hkv, d = qkv.shape[0], k_cache.shape[2], k_cache.shape[3]
     cos, sin = rope
-    # the cache in the model dtype, or float16 under float32 (--kv-cache-dtype float16)
-    kv_ok = k_cache.dtype == qkv.dtype or (qkv.dtype == torch.float32 and k_cache.dtype == torch.float16)
     if (
         kernels is None
-        or not kv_ok
+        or not kv_dtype_runs(qkv.dtype, k_cache.dtype)
         or cos.dtype != qkv.dtype
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or qkv.stride(-1) != 1

@@ -24,7 +24,7 @@ import torch
 
 from engine.model.attention.base import AttentionBackend
 from engine.model.attention.native import NativeBackend, NativePlan
-from engine.model.kernels.build import DTYPE_CODES, FLOAT32_BF16_CODES, load
+from engine.model.kernels.build import DTYPE_CODES, FLOAT32_BF16_CODES, kv_dtype_runs, load
 from engine.model.layers.quant_linear import QuantLinear
 from engine.model.models.context import ForwardContext
 from engine.model.models.llama import LlamaForCausalLM
@@ -75,12 +75,6 @@ class _Args(ctypes.Structure):
         ("first_layer", _I64),
         ("end_layer", _I64),
     ]
-
-
-def _kv_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """The cache dtypes the stack runs over with `dtype` activations: its own, and float16 under float32
-    (`--kv-cache-dtype float16`)."""
-    return (dtype, torch.float16) if dtype == torch.float32 else (dtype,)
 
 
 def _linear(module: torch.nn.Module) -> _Linear:
@@ -173,7 +167,7 @@ class NativeStack:
         if (
             not isinstance(plan, NativePlan)
             or h.dtype != self.dtype
-            or kv_dtype not in _kv_dtypes(self.dtype)
+            or not kv_dtype_runs(self.dtype, kv_dtype)
         ):
             return None
         t, d = h.shape[0], self.head_dim

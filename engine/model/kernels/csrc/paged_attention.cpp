@@ -179,6 +179,37 @@ struct ItemKeys {
     }
 };
 
+// A float32 step's cache element: float, or a float16 cache's bits (`brine serve --kv-cache-dtype float16`). A
+// float16 key or value widens to float32 exactly, so every path below does the float32 cache's arithmetic on the
+// widened values: the bits are those of a float32 cache that holds the same float16-rounded numbers.
+template <int KT>
+struct CacheElem {
+    using type = float;
+};
+template <>
+struct CacheElem<kDtypeF16> {
+    using type = uint16_t;
+};
+inline float widen(float x) { return x; }
+inline float widen(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return simd::half_to_float(h);
+#endif
+}
+inline simd::VF vload_kv(const float* p) { return simd::vload(p); }
+inline simd::VF vload_kv(const uint16_t* p) { return simd::vload_f16(p); }
+
+// A float16 block's 16 rows of D (stride apart) widened into out[16][D], 16 at a time. The generic path reads a
+// block's keys and values once per item, the row-lanes path once per 16 rows; widening element by element there
+// cost a decode 1.6x (generic, AVX512) and a prefill 1.3-1.4x (row lanes): widened per block, both read floats.
+template <int D>
+inline void widen_rows(const uint16_t* src, int64_t stride, float* out) {
+    for (int j = 0; j < 16; ++j)
+        for (int d = 0; d < D; d += 16) simd::vstore(out + j * D + d, simd::vload_f16(src + j * stride + d));
+}
+
 // The generic implementation. BSC, DC: block size and head_dim fixed at compile time (0: taken from the
 // arguments). The fixed ones let the compiler keep a row block's scores and a row's output in registers; the
 // arithmetic is the same.
@@ -219,13 +250,10 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
-        if constexpr (KT == kDtypeF16 && DC > 0 && DC % 16 == 0) {  // widened 16 at a time (a scalar widening
-            alignas(64) float row[DC > 0 ? DC : 1];                  // per element cost a decode 1.6x)
-            for (int j = 0; j < BS; ++j) {
-                const uint16_t* kr = static_cast<const uint16_t*>(a.k_cache) + base + j * key_stride;
-                for (int d = 0; d < D; d += 16) simd::vstore(row + d, simd::vload_f16(kr + d));
-                for (int d = 0; d < D; ++d) kt[d * BS + j] = row[d];
-            }
+        if constexpr (KT == kDtypeF16 && BSC == 16 && DC > 0 && DC % 16 == 0) {  // widen_rows, then transpose
+            widen_rows<DC>(static_cast<const uint16_t*>(a.k_cache) + base, key_stride, vf);  // (vf: free until pass 2)
+            for (int j = 0; j < BS; ++j)
+                for (int d = 0; d < D; ++d) kt[d * BS + j] = vf[j * D + d];
         } else {
             for (int j = 0; j < BS; ++j)
                 for (int d = 0; d < D; ++d) kt[d * BS + j] = load<KT>(a.k_cache, base + j * key_stride + d);
@@ -279,11 +307,8 @@ void attend_item(const Args& a, int64_t item, int kvh, std::vector<float>& buf) 
     for (int b = b_lo; b < b_hi; ++b) {
         const int64_t base = (static_cast<int64_t>(ik.table[b]) * BS * a.kv_heads + kvh) * D;
         const int col = (b - b_lo) * BS;
-        if constexpr (KT == kDtypeF16 && DC > 0 && DC % 16 == 0) {
-            for (int j = 0; j < BS; ++j) {
-                const uint16_t* vr = static_cast<const uint16_t*>(a.v_cache) + base + j * key_stride;
-                for (int d = 0; d < D; d += 16) simd::vstore(vf + j * D + d, simd::vload_f16(vr + d));
-            }
+        if constexpr (KT == kDtypeF16 && BSC == 16 && DC > 0 && DC % 16 == 0) {
+            widen_rows<DC>(static_cast<const uint16_t*>(a.v_cache) + base, key_stride, vf);
         } else {
             for (int j = 0; j < BS; ++j)
                 for (int d = 0; d < D; ++d) vf[j * D + d] = load<KT>(a.v_cache, base + j * key_stride + d);
@@ -665,37 +690,6 @@ inline simd::VF exp_nonpos_lanes(simd::VF x) {  // exp_nonpos, lane by lane: the
     for (int i = 1; i < 6; ++i) p = vfmadd(p, r, vset1(kExpPoly[i]));
     const VF y = vadd(vfmadd(vmul(p, r), r, r), vset1(1.0f));
     return vmul(y, vpow2i(n));
-}
-
-// A float32 step's cache element: float, or a float16 cache's bits (`brine serve --kv-cache-dtype float16`). A
-// float16 key or value widens to float32 exactly, so every path below does the float32 cache's arithmetic on the
-// widened values: the bits are those of a float32 cache that holds the same float16-rounded numbers.
-template <int KT>
-struct CacheElem {
-    using type = float;
-};
-template <>
-struct CacheElem<kDtypeF16> {
-    using type = uint16_t;
-};
-inline float widen(float x) { return x; }
-inline float widen(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return simd::half_to_float(h);
-#endif
-}
-inline simd::VF vload_kv(const float* p) { return simd::vload(p); }
-inline simd::VF vload_kv(const uint16_t* p) { return simd::vload_f16(p); }
-
-// A float16 block's 16 rows of D (stride apart) widened into out[16][D], 16 at a time: the row-lanes path reads
-// every key and value once per 16 rows, by scalar broadcasts, where a widening per element cost it 1.3-1.4x on
-// a prefill; widened once per block (per run of blocks for the values) it reads floats as over a float32 cache.
-template <int D>
-inline void widen_rows(const uint16_t* src, int64_t stride, float* out) {
-    for (int j = 0; j < 16; ++j)
-        for (int d = 0; d < D; d += 16) simd::vstore(out + j * D + d, simd::vload_f16(src + j * stride + d));
 }
 
 // Scores of keys kb[0 .. N) (each a row of D floats, `stride` apart) for the group's 16 rows: s[j] lane l =
