@@ -190,10 +190,12 @@ def worker_main(fd: int) -> None:
     (or its parent goes: the socket closes)."""
     import resource
 
-    import xgrammar as xgr
-
+    # The tokenizer's info first, then the imports: the server's send of it (~1 MB, more than a socket
+    # buffer holds) blocks until it is read here, and xgrammar's import (torch) takes ~2 s; read after it,
+    # that held the server's start 2.5 s per worker (prestart) and a compile thread as long per replacement.
     conn = Connection(fd)
     info_json, memory_limit, budget_s = conn.recv()
+    import xgrammar as xgr
 
     # After the imports (torch maps much at import): from here on a runaway compile fails, not the machine.
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)

@@ -81,6 +81,25 @@ def test_a_spec_the_worker_refuses_keeps_its_reason_and_kills_nothing(compiler: 
     assert compiler.sandbox.kills == kills
 
 
+def test_prestart_returns_while_its_workers_still_boot() -> None:
+    """A real tokenizer's info (~1 MB of JSON) is more than a socket buffer holds: a worker that read it only
+    after importing xgrammar (~2 s) held prestart, and so the server's start, until each worker in turn had
+    booted. Now prestart returns while both still boot, and both serve once booted."""
+    vocab = [f"token{i:06d}-" * 3 for i in range(50_000)]  # ~2 MB of JSON
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[0])
+    sandbox = CompileSandbox(info, workers=2)
+    try:
+        sandbox.prestart()
+        workers = list(sandbox._all)
+        assert len(workers) == 2
+        assert not any(w.conn.poll(0) for w in workers), "a worker had booted before prestart returned"
+        for w in workers:
+            w.wait_ready(None)
+        assert sandbox.trial(SMALL).memory_bytes > 0
+    finally:
+        sandbox.close()
+
+
 def _engine(grammars: GrammarCompiler) -> AsyncEngine:
     core = EngineCore(FakeRunner(num_blocks=64, step_delay=0.002), ByteTokenizer(), EngineConfig())
     return AsyncEngine(core, core.tokenizer, model_name="fake", grammars=grammars)
