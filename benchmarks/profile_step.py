@@ -113,7 +113,13 @@ def step_timer() -> Iterator[None]:
         _times[k].append(v)
 
 
-def make_core(model: str | None, dtype: str, quantization: str = "auto") -> EngineCore:
+def make_core(
+    model: str | None,
+    dtype: str,
+    quantization: str = "auto",
+    quantize_activations: str = "none",
+    kv_cache_dtype: str = "auto",
+) -> EngineCore:
     from engine.config import EngineConfig
     from engine.model.loading.files import resolve_model
     from engine.model_runner import ModelRunner
@@ -121,7 +127,13 @@ def make_core(model: str | None, dtype: str, quantization: str = "auto") -> Engi
 
     files = resolve_model(model)
     config = EngineConfig(
-        model=str(files.path), dtype=dtype, num_blocks=1024, max_num_seqs=16, quantization=quantization
+        model=str(files.path),
+        dtype=dtype,
+        num_blocks=1024,
+        max_num_seqs=16,
+        quantization=quantization,
+        quantize_activations=quantize_activations,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return EngineCore(ModelRunner(config), Tokenizer(files.path), config)
 
@@ -315,6 +327,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quantization", choices=("auto", "none"), default="auto")
+    ap.add_argument("--quantize-activations", choices=("none", "q8"), default="none")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "float16"), default="auto")
     ap.add_argument("--context", type=int, default=2000, help="warm prefill's prompt; decode's context")
     ap.add_argument("--decode-context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -330,7 +344,12 @@ def main() -> None:
     from engine.threads import on_fresh_thread
 
     # As the server does: loaded on a thread that ends, stepped on another (see engine.threads).
-    core = on_fresh_thread(lambda: make_core(args.model, args.dtype, args.quantization), args.threads)
+    core = on_fresh_thread(
+        lambda: make_core(
+            args.model, args.dtype, args.quantization, args.quantize_activations, args.kv_cache_dtype
+        ),
+        args.threads,
+    )
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {core.runner.dtype}, "
         f"attention {core.runner.attention_backend}"
