@@ -16,7 +16,7 @@ same bits (they must).
 `--baseline DIR` instead times another checkout's native kernel (DIR/engine/model/kernels/csrc, or
 engine/model/csrc in checkouts from before the redesign, built into a temporary
 directory) against this tree's, alternating run by run, and says whether their outputs have the same bits: the
-before / after of a kernel change.
+before / after of a kernel change; with `--kv-float16`, both over the float16 cache.
 
     .venv/bin/python benchmarks/attention_bench.py
     .venv/bin/python benchmarks/attention_bench.py --threads 1 --dtype float32
@@ -112,6 +112,7 @@ def main() -> int:
         return 1
     if args.kv_float16:
         args.dtype = "float32"
+    if args.kv_float16 and args.baseline is None:
         backends = {"float32 KV": NativeBackend(kernels), "float16 KV": NativeBackend(kernels)}
         return run_cases(args, backends, "alternating runs")
     if args.baseline is None:
@@ -156,8 +157,10 @@ def run_cases(args: argparse.Namespace, backends: dict, what: str) -> int:
             continue
         kc, vc = caches[size]
         kv = {name: (kc, vc) for name in backends}
-        if args.kv_float16:
+        if args.kv_float16 and args.baseline is None:
             kv["float16 KV"] = half[size]
+        elif args.kv_float16:  # two kernels over the same float16 cache
+            kv = {name: half[size] for name in backends}
         tables = [
             rng.sample(range(1, kc.shape[0]), -(-ctx // bs)) for _ in range(1 if size == "small" else TABLES)
         ]

@@ -39,15 +39,21 @@ def test_a_baseline_without_sources_is_refused(tmp_path: Path) -> None:
         build_baseline(tmp_path, tmp_path / "baseline.so")
 
 
-def test_the_bench_compares_this_tree_with_itself(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv", [[], ["--kv-float16"]], ids=["cache-in-query-dtype", "float16-cache"])
+def test_the_bench_compares_this_tree_with_itself(tmp_path: Path, kv: list[str]) -> None:
+    """Every decode case (short, long, in DRAM) on both kernels, over the query dtype's cache or (`--kv-float16`)
+    float32 queries over a float16 one: the same bits."""
     if load()[0] is None:
         pytest.skip("native kernels unavailable")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "attention_bench.py"), "--baseline", str(ROOT), "--repeats", "1"],
+        [sys.executable, str(ROOT / "benchmarks" / "attention_bench.py"), "--baseline", str(ROOT), "--repeats", "1",
+         "--cases", "decode", *kv],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     from benchmarks.attention_bench import CASES
 
     rows = [line for line in out.stdout.splitlines() if line.startswith(tuple(CASES))]
-    assert len(rows) == len(CASES) and all(row.split()[-1] == "yes" for row in rows), out.stdout
+    decodes = [name for name in CASES if "decode" in name]
+    assert len(rows) == len(decodes) == 4 and all(row.split()[-1] == "yes" for row in rows), out.stdout
+    assert ("float32" in out.stdout.splitlines()[0]) == bool(kv), out.stdout
