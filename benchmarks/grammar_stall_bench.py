@@ -74,7 +74,7 @@ async def run(tokens: int, rounds: int, budget_ms: float | None) -> None:
     config = EngineConfig()
     if budget_ms is not None:
         config.grammar_mask_budget_ms = budget_ms  # type: ignore[attr-defined]
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncEngine.from_config(config, prestart_grammar_workers=True)  # as brine serve
     try:
         await _victim(engine, 8)  # warm-up
         alone: list[float] = []

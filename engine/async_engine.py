@@ -142,8 +142,11 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Loads the model and tokenizer and starts the step thread."""
+    def from_config(cls, config: EngineConfig, *, prestart_grammar_workers: bool = False) -> AsyncEngine:
+        """Loads the model and tokenizer and starts the step thread. `prestart_grammar_workers`: boot the
+        grammar sandbox's workers now, in the background (`brine serve` does, so that its first constrained
+        request does not wait ~2 s for one); else each boots when a constrained request first needs it, and an
+        engine that never sees one never spends the ~2.5 s of CPU per worker (xgrammar imports torch)."""
         from engine.model.loading.files import resolve_model
         from engine.model_runner import ModelRunner  # torch: imported only when a real engine is made
 
@@ -193,7 +196,8 @@ class AsyncEngine:
                 timeout_s=config.grammar_compile_timeout,
                 mask_budget_s=budget_s,
             )
-            sandbox.prestart()  # booting beside the model's warm-up, not in the first request's time
+            if prestart_grammar_workers:
+                sandbox.prestart()
             grammars = GrammarCompiler(
                 info,
                 cache_bytes=config.grammar_cache_memory,

@@ -103,6 +103,12 @@ class CompileSandbox:
         self._lock = threading.Lock()
         self.kills = 0  # workers killed (timeouts, cancellations, deaths): for tests
 
+    @property
+    def started(self) -> int:
+        """Workers started (booting or ready) and not killed."""
+        with self._lock:
+            return len(self._all)
+
     def _spawn(self) -> _Worker | None:
         """A new worker if fewer than `workers` are alive (started on first need: a server that never sees a
         constraint never pays for one)."""

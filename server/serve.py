@@ -161,7 +161,7 @@ def serve(args: argparse.Namespace, api_keys: list[str]) -> int:
     config = dataclasses.replace(config, model=str(files.path), served_model_name=name)
     logger.info("loading %s from %s", name, files.source)
     try:
-        engine = AsyncEngine.from_config(config)
+        engine = AsyncEngine.from_config(config, prestart_grammar_workers=True)
     except (ValueError, OSError) as exc:
         logger.error("could not start the engine: %s", exc)
         return 1

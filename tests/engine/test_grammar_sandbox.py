@@ -100,6 +100,33 @@ def test_prestart_returns_while_its_workers_still_boot() -> None:
         sandbox.close()
 
 
+@pytest.mark.parametrize("prestart", [False, True])
+def test_an_engine_boots_its_grammar_workers_only_when_told_or_needed(
+    monkeypatch: pytest.MonkeyPatch, prestart: bool
+) -> None:
+    """`brine serve` prestarts them; any other engine boots one when a constrained request first needs it,
+    and so never spends their CPU (xgrammar imports torch) if none comes. The default model's tokenizer,
+    a fake runner."""
+    import engine.model_runner
+
+    def runner(config: EngineConfig) -> FakeRunner:
+        fake = FakeRunner(num_blocks=64)
+        fake.vocab_size = 49152  # type: ignore[attr-defined]
+        return fake
+
+    monkeypatch.setattr(engine.model_runner, "ModelRunner", runner)
+    eng = AsyncEngine.from_config(EngineConfig(), prestart_grammar_workers=prestart)
+    try:
+        grammars = eng._grammars
+        assert grammars is not None and grammars.sandbox is not None
+        sandbox = grammars.sandbox
+        assert sandbox.started == (2 if prestart else 0)
+        assert grammars.compile(SMALL).memory_bytes > 0
+        assert sandbox.started == (2 if prestart else 1)
+    finally:
+        eng.shutdown()
+
+
 def _engine(grammars: GrammarCompiler) -> AsyncEngine:
     core = EngineCore(FakeRunner(num_blocks=64, step_delay=0.002), ByteTokenizer(), EngineConfig())
     return AsyncEngine(core, core.tokenizer, model_name="fake", grammars=grammars)

@@ -102,8 +102,8 @@ def test_serve_wires_engine_metrics_and_app(
         seen["resolved"] = name
         return model_files.ModelFiles("resolved-name", tmp_path, "test source")
 
-    def from_config(config: EngineConfig) -> FakeEngine:
-        seen["config"] = config
+    def from_config(config: EngineConfig, *, prestart_grammar_workers: bool = False) -> FakeEngine:
+        seen["config"], seen["prestart"] = config, prestart_grammar_workers
         return fake
 
     def run(app: Any, engine: Any, *, host: str, port: int, log_level: str, log_config: dict) -> int:
@@ -122,6 +122,7 @@ def test_serve_wires_engine_metrics_and_app(
     assert cli.main(["serve", "m", "--port", "9", "--api-key", "k", "--log-level", "warning"]) == 0
     config = seen["config"]
     assert seen["resolved"] == "m" and config.model == str(tmp_path)
+    assert seen["prestart"]  # the grammar workers boot with the server, not on its first constrained request
     assert config.served_model_name == "resolved-name"
     assert any(isinstance(s, PrometheusStatLogger) for s in config.stat_loggers)
     assert seen["uvicorn"] == ("127.0.0.1", 9, "warning")
@@ -137,7 +138,7 @@ def test_serve_exits_with_the_supervisors_status(monkeypatch: pytest.MonkeyPatch
 
     fake = FakeEngine(model_name="served", num_blocks=10, block_size=16)
     monkeypatch.setattr(model_files, "resolve_model", lambda n: model_files.ModelFiles("x", tmp_path, "src"))
-    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config: fake))
+    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config, **kw: fake))
     monkeypatch.setattr("server.supervise.run", lambda *a, **k: supervise.EXIT_ENGINE_DEAD)
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
     assert cli.main(["serve"]) == supervise.EXIT_ENGINE_DEAD
@@ -150,7 +151,7 @@ def test_serve_logs_what_it_loaded(
     fake = FakeEngine(model_name="served", num_blocks=10, block_size=16)
     monkeypatch.setattr(model_files, "resolve_model", lambda n: model_files.ModelFiles("x", tmp_path, "src"))
 
-    def from_config(config: EngineConfig) -> FakeEngine:
+    def from_config(config: EngineConfig, **kw: Any) -> FakeEngine:
         fake.enable_prefix_caching = config.enable_prefix_caching
         return fake
 
@@ -183,7 +184,7 @@ def test_serve_with_tenants_and_public_prefixes(
 
     fake = FakeEngine(model_name="served", num_blocks=10, block_size=4)
     monkeypatch.setattr(model_files, "resolve_model", lambda n: model_files.ModelFiles("x", tmp_path, "src"))
-    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config: fake))
+    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(lambda config, **kw: fake))
     seen: dict[str, Any] = {}
 
     def run(app: Any, engine: Any, *, host: str, port: int, log_level: str, log_config: dict) -> int:
