@@ -21,7 +21,6 @@ text): top-1 agreement with the unrounded model, mean and max |d logprob| of the
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.q8_accuracy import text_ids  # noqa: E402
+from benchmarks.q8_accuracy import cells, perplexity, text_ids  # noqa: E402
 from engine.model.loading.files import resolve_model  # noqa: E402
 
 
@@ -104,23 +103,15 @@ def main() -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ref, _ = logprobs(hf, ids, None)
     actual = torch.tensor(ids[1:])
-    ref_chosen = ref.gather(1, actual[:, None])[:, 0].double()
-    ref_top = ref.argmax(-1)
     print(f"transformers float32, {len(ids)} tokens; K and V rounded as stored, against unrounded")
-    print(f"unrounded: perplexity {math.exp(-ref_chosen.mean().item()):.3f}")
+    print(f"unrounded: perplexity {perplexity(ref.gather(1, actual[:, None])[:, 0]):.3f}")
     print("| KV type | top-1 agreement | mean abs d logprob | max abs d logprob | perplexity | NaN values |")
     print("|---|---|---|---|---|---|")
     for name in args.types.split(","):
         if name not in ROUNDINGS:
             raise SystemExit(f"unknown type {name!r}: one of {', '.join(ROUNDINGS)}")
         lp, nans = logprobs(hf, ids, ROUNDINGS[name])
-        got = lp.gather(1, actual[:, None])[:, 0].double()
-        d = (got - ref_chosen).abs()
-        agree = (lp.argmax(-1) == ref_top).double().mean().item()
-        ppl = math.exp(-got.mean().item())
-        print(
-            f"| {name} | {agree * 100:.2f}% | {d.mean().item():.4f} | {d.max().item():.3f} | {ppl:.3f} | {nans} |"
-        )
+        print(f"| {name} | {cells(ref, ids, lp.gather(1, actual[:, None])[:, 0], lp.argmax(-1))} | {nans} |")
 
 
 if __name__ == "__main__":

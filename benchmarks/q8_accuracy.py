@@ -53,6 +53,21 @@ def reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def perplexity(chosen: torch.Tensor) -> float:
+    """Of the text, from the logprob of each actual next token."""
+    return math.exp(-chosen.double().mean().item())
+
+
+def cells(ref: torch.Tensor, ids: list[int], chosen: torch.Tensor, top: torch.Tensor) -> str:
+    """One setting's table cells against the reference logprobs `ref` ([len(ids) - 1, vocab]): top-1 agreement
+    (its own most likely next tokens `top` against ref's), mean and max |d logprob| of the text's actual next
+    token (its logprobs `chosen`), perplexity."""
+    actual = torch.tensor(ids[1:])
+    d = (chosen.double() - ref.gather(1, actual[:, None])[:, 0].double()).abs()
+    agree = (top == ref.argmax(-1)).double().mean().item()
+    return f"{agree * 100:.2f}% | {d.mean().item():.4f} | {d.max().item():.3f} | {perplexity(chosen):.3f}"
+
+
 def brine(setting: str, ids: list[int]) -> tuple[list[float], list[int]]:
     """Brine's logprob of each actual next token and its own top-1, positions 1 .. len(ids) - 1."""
     dtype, *options = setting.split("+")
@@ -93,22 +108,15 @@ def main() -> None:
     model_dir = resolve_model(None).path
     ids = text_ids(transformers.AutoTokenizer.from_pretrained(model_dir), args.tokens)
     ref = reference(model_dir, ids)
-    actual = torch.tensor(ids[1:])
-    ref_chosen = ref.gather(1, actual[:, None])[:, 0].double()
-    ref_top = ref.argmax(-1)
     print(f"kernels: {describe()}; {len(ids)} tokens; against transformers float32")
-    print(f"transformers float32: perplexity {math.exp(-ref_chosen.mean().item()):.3f}")
+    print(
+        f"transformers float32: perplexity {perplexity(ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]):.3f}"
+    )
     print("| setting | top-1 agreement | mean abs d logprob | max abs d logprob | perplexity |")
     print("|---|---|---|---|---|")
     for setting in args.settings.split(","):
         chosen, top = brine(setting, ids)
-        got = torch.tensor(chosen, dtype=torch.float64)
-        d = (got - ref_chosen).abs()
-        agree = (torch.tensor(top) == ref_top).double().mean().item()
-        ppl = math.exp(-got.mean().item())
-        print(
-            f"| {setting} | {agree * 100:.2f}% | {d.mean().item():.4f} | {d.max().item():.3f} | {ppl:.3f} |"
-        )
+        print(f"| {setting} | {cells(ref, ids, torch.tensor(chosen), torch.tensor(top))} |")
 
 
 if __name__ == "__main__":
