@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -114,7 +115,7 @@ def main() -> int:
         args.dtype = "float32"
     if args.kv_float16 and args.baseline is None:
         backends = {"float32 KV": NativeBackend(kernels), "float16 KV": NativeBackend(kernels)}
-        return run_cases(args, backends, "alternating runs")
+        return run_cases(args, backends, "alternating runs", halves={"float16 KV"})
     if args.baseline is None:
         backends = {
             "tiled": TiledBackend(torch.device("cpu"), args.head_dim),
@@ -123,13 +124,16 @@ def main() -> int:
         return run_cases(args, backends, "runs")
     with tempfile.TemporaryDirectory() as tmp:
         before = build_baseline(baseline_csrc(args.baseline), Path(tmp) / "baseline.so")
-        return run_cases(args, {"baseline": NativeBackend(before), "this tree": NativeBackend(kernels)},
-                         f"alternating runs; baseline {args.baseline}")  # fmt: skip
+        backends = {"baseline": NativeBackend(before), "this tree": NativeBackend(kernels)}
+        # --kv-float16: both kernels over the same float16 cache
+        return run_cases(args, backends, f"alternating runs; baseline {args.baseline}",
+                         halves=set(backends) if args.kv_float16 else ())  # fmt: skip
 
 
-def run_cases(args: argparse.Namespace, backends: dict, what: str) -> int:
+def run_cases(args: argparse.Namespace, backends: dict, what: str, halves: Collection[str] = ()) -> int:
     """Every case on both backends: their ms per layer, the first over the second, and (for two native
-    kernels) whether their outputs have the same bits."""
+    kernels) whether their outputs have the same bits. `halves`: the backends that read the float16 cache
+    (`--kv-float16`), the others its numbers in float32."""
     dtype, bs, hkv, d = DTYPES[args.dtype], args.block_size, args.kv_heads, args.head_dim
     g = torch.Generator().manual_seed(0)
     small_blocks = max(ctx for _, ctx, _ in CASES.values()) // bs + 8
@@ -156,11 +160,7 @@ def run_cases(args: argparse.Namespace, backends: dict, what: str) -> int:
         if args.cases not in name:
             continue
         kc, vc = caches[size]
-        kv = {name: (kc, vc) for name in backends}
-        if args.kv_float16 and args.baseline is None:
-            kv["float16 KV"] = half[size]
-        elif args.kv_float16:  # two kernels over the same float16 cache
-            kv = {name: half[size] for name in backends}
+        kv = {b: half[size] if b in halves else (kc, vc) for b in backends}
         tables = [
             rng.sample(range(1, kc.shape[0]), -(-ctx // bs)) for _ in range(1 if size == "small" else TABLES)
         ]
