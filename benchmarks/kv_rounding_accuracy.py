@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.q8_accuracy import cells, perplexity, text_ids  # noqa: E402
+from benchmarks.q8_accuracy import cells, next_token_logprobs, perplexity, text_ids  # noqa: E402
 from engine.model.loading.files import resolve_model  # noqa: E402
 
 
@@ -102,16 +102,15 @@ def main() -> None:
     ids = text_ids(transformers.AutoTokenizer.from_pretrained(model_dir), args.tokens)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ref, _ = logprobs(hf, ids, None)
-    actual = torch.tensor(ids[1:])
     print(f"transformers float32, {len(ids)} tokens; K and V rounded as stored, against unrounded")
-    print(f"unrounded: perplexity {perplexity(ref.gather(1, actual[:, None])[:, 0]):.3f}")
+    print(f"unrounded: perplexity {perplexity(next_token_logprobs(ref, ids)):.3f}")
     print("| KV type | top-1 agreement | mean abs d logprob | max abs d logprob | perplexity | NaN values |")
     print("|---|---|---|---|---|---|")
     for name in args.types.split(","):
         if name not in ROUNDINGS:
             raise SystemExit(f"unknown type {name!r}: one of {', '.join(ROUNDINGS)}")
         lp, nans = logprobs(hf, ids, ROUNDINGS[name])
-        print(f"| {name} | {cells(ref, ids, lp.gather(1, actual[:, None])[:, 0], lp.argmax(-1))} | {nans} |")
+        print(f"| {name} | {cells(ref, ids, next_token_logprobs(lp, ids), lp.argmax(-1))} | {nans} |")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ def reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def next_token_logprobs(lp: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """From logprobs of every next token ([len(ids) - 1, vocab]), those of the text's actual next tokens."""
+    return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
 def perplexity(chosen: torch.Tensor) -> float:
     """Of the text, from the logprob of each actual next token."""
     return math.exp(-chosen.double().mean().item())
@@ -62,8 +67,7 @@ def cells(ref: torch.Tensor, ids: list[int], chosen: torch.Tensor, top: torch.Te
     """One setting's table cells against the reference logprobs `ref` ([len(ids) - 1, vocab]): top-1 agreement
     (its own most likely next tokens `top` against ref's), mean and max |d logprob| of the text's actual next
     token (its logprobs `chosen`), perplexity."""
-    actual = torch.tensor(ids[1:])
-    d = (chosen.double() - ref.gather(1, actual[:, None])[:, 0].double()).abs()
+    d = (chosen.double() - next_token_logprobs(ref, ids).double()).abs()
     agree = (top == ref.argmax(-1)).double().mean().item()
     return f"{agree * 100:.2f}% | {d.mean().item():.4f} | {d.max().item():.3f} | {perplexity(chosen):.3f}"
 
@@ -109,9 +113,7 @@ def main() -> None:
     ids = text_ids(transformers.AutoTokenizer.from_pretrained(model_dir), args.tokens)
     ref = reference(model_dir, ids)
     print(f"kernels: {describe()}; {len(ids)} tokens; against transformers float32")
-    print(
-        f"transformers float32: perplexity {perplexity(ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]):.3f}"
-    )
+    print(f"transformers float32: perplexity {perplexity(next_token_logprobs(ref, ids)):.3f}")
     print("| setting | top-1 agreement | mean abs d logprob | max abs d logprob | perplexity |")
     print("|---|---|---|---|---|")
     for setting in args.settings.split(","):
