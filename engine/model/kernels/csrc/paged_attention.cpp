@@ -875,42 +875,42 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
 //     per block is that), then the same halving tree;
 //   - output: 16 dims in a vector, fma(weight, value, o) key by key in position order over the keys the row
 //     sees (the others left out), divided by the sum at the end.
+// kt[d * 16 + j] = kb[j * stride + d]: a block's 16 keys (rows of D elements, stride apart), transposed, 8 keys x 4
+// dims at a time in ymm registers on AVX2 and AVX512 (the tiers that take attend_keys: kKeyRowsMax); plain loops
+// elsewhere. Keys i and i + 4 share a register from the load ([key i | key i + 4], 4 dims each), so that the
+// shuffles after it stay inside 128-bit lanes: no cross-lane permute (vperm2f128, several micro-ops on CPUs whose
+// 256-bit units are two 128-bit halves, Zen 1's). A Zen 1 EPYC (attention_bench --dtype float32 --baseline, 2
+// threads, against an 8 x 8 transpose with 8 such permutes): decodes 1.03x to 1.08x, the rest within noise.
 #if defined(BRINE_SIMD_AVX2) || defined(BRINE_SIMD_AVX512)
-inline void transpose8x8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; ++h) {  // h: rows 0-3, then 4-7
-        u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
-        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xee);
-        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xee);
-    }
-    for (int c = 0; c < 4; ++c) {
-        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-        r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-    }
+inline __m256 load4x2_kv(const float* lo, const float* hi) {  // [lo[0..4) | hi[0..4)]
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(lo)), _mm_loadu_ps(hi), 1);
 }
-#endif
-
-// kt[d * 16 + j] = kb[j * stride + d]: a block's 16 keys (rows of D elements, stride apart), transposed, 8 x 8 at a
-// time in ymm registers on AVX2 and AVX512 (the tiers that take attend_keys: kKeyRowsMax); plain loops elsewhere.
-#if defined(BRINE_SIMD_AVX2) || defined(BRINE_SIMD_AVX512)
-inline __m256 load8_kv(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_kv(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load4x2_kv(const uint16_t* lo, const uint16_t* hi) {
+    const __m128i l = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo));
+    const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(l, h));
+}
+// a, b, c, d: four rows' 4 columns in each 128-bit lane; out: column k of those rows in c[k], lane by lane.
+inline void transpose4x4_lanes(__m256 a, __m256 b, __m256 c, __m256 d, __m256* out) {
+    const __m256 t0 = _mm256_unpacklo_ps(a, b), t1 = _mm256_unpackhi_ps(a, b);
+    const __m256 t2 = _mm256_unpacklo_ps(c, d), t3 = _mm256_unpackhi_ps(c, d);
+    out[0] = _mm256_shuffle_ps(t0, t2, 0x44);
+    out[1] = _mm256_shuffle_ps(t0, t2, 0xee);
+    out[2] = _mm256_shuffle_ps(t1, t3, 0x44);
+    out[3] = _mm256_shuffle_ps(t1, t3, 0xee);
+}
 #endif
 
 template <int D, typename E>
 inline void transpose_keys(const E* kb, int64_t stride, float* kt) {
 #if defined(BRINE_SIMD_AVX2) || defined(BRINE_SIMD_AVX512)
-    for (int d0 = 0; d0 < D; d0 += 8)
+    for (int d0 = 0; d0 < D; d0 += 4)
         for (int j0 = 0; j0 < 16; j0 += 8) {
-            __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = load8_kv(kb + (j0 + i) * stride + d0);
-            transpose8x8(r);
-            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * 16 + j0, r[i]);
+            const E* p = kb + j0 * stride + d0;
+            __m256 r[4], c[4];
+            for (int i = 0; i < 4; ++i) r[i] = load4x2_kv(p + i * stride, p + (i + 4) * stride);
+            transpose4x4_lanes(r[0], r[1], r[2], r[3], c);
+            for (int k = 0; k < 4; ++k) _mm256_storeu_ps(kt + (d0 + k) * 16 + j0, c[k]);
         }
 #else
     for (int j = 0; j < 16; ++j)
