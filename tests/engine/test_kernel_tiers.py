@@ -208,6 +208,46 @@ def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_
         assert err <= TOL[dtype], f"max error {err}: {what}"
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "heads,dim,window",
+    [((9, 3), 64, None), ((9, 3), 64, 600), ((4, 1), 128, None)],
+    ids=["gqa3", "window", "mqa-d128"],
+)
+def test_a_lone_decode_spread_over_the_threads_has_the_bits_of_one_thread(tier, kv_dtype, heads, dim, window):
+    """A lone decode (or a short verify chunk) over a long context has fewer units (KV heads) than spread
+    evenly over the threads: on the tiers with the keys-in-lanes path each unit's blocks, then its dims, are
+    split over the threads (csrc/paged_attention.cpp, run_split_units), with the bits of the unit run whole
+    on one thread, over float32 and float16 caches, with a sliding window, and right."""
+    from test_native_attention import TOL, Paged, _run
+
+    from engine.model.attention.native import NativeBackend
+
+    backend = NativeBackend(tier)
+    c = Paged(heads, dim, 16, torch.float32, blocks=300, seed=6)
+    c.k, c.v = c.k.to(kv_dtype), c.v.to(kv_dtype)
+    for n, ctx in ((1, 2000), (3, 1500), (1, 530)):
+        reqs = [(n, ctx, c.table(ctx))]
+        q = torch.randn(n, c.h, c.d, generator=c.g)
+        what = f"{n} over {ctx}, {kv_dtype} cache, window {window}, on {tier.tier} ({isa_summary()})"
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = _run(backend, c, q, reqs, window)
+            torch.set_num_threads(2)
+            two = _run(backend, c, q, reqs, window)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one, two), what
+        k, v = c.k, c.v
+        c.k, c.v = k.float(), v.float()
+        try:
+            err = (two.double() - c.reference(q, reqs, window)).abs().max().item()
+        finally:
+            c.k, c.v = k, v
+        assert err <= TOL[torch.float32], f"max error {err}: {what}"
+
+
 def test_a_float16_cache_under_float32_gives_the_bits_of_a_float32_cache_of_the_same_values(
     tier, monkeypatch
 ):

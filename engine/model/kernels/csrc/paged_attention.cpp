@@ -724,13 +724,16 @@ inline const E* kv_block(const Args& a, const void* cache, const int32_t* table,
 }
 // Asks for those rows in L2: they are scattered (kv_heads apart, blocks anywhere), where the hardware prefetcher
 // would not guess them.
+// Bytes [o0, o1) of each row (all of it unless told).
 template <typename E>
-inline void prefetch_kv_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
+inline void prefetch_kv_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D,
+                              int64_t o0 = 0, int64_t o1 = -1) {
     const char* p = reinterpret_cast<const char*>(kv_block<E>(a, cache, table, b, kvh, D));
     constexpr int64_t kBytes = sizeof(E);
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D * kBytes;
+    if (o1 < 0) o1 = D * kBytes;
     for (int j = 0; j < 16; ++j)
-        for (int o = 0; o < D * kBytes; o += 64) __builtin_prefetch(p + j * stride + o, 0, 2);
+        for (int64_t o = o0; o < o1; o += 64) __builtin_prefetch(p + j * stride + o, 0, 2);
 }
 
 // A float16 cache's values come widened: `wide` holds blocks [b0, b1) as [block][16][D] floats.
@@ -921,10 +924,8 @@ inline void transpose_keys(const E* kb, int64_t stride, float* kt) {
 // Items of up to this many rows take attend_keys. AVX2 (a Zen 3 EPYC, one thread, attention_bench --baseline
 // --dtype float32 against attend_lanes, quiet): a decode over 2,000 tokens 1.91x faster (in DRAM 1.87x), over
 // 8,000 in DRAM 1.89x, verify chunks of 3 and 5 tokens (9 and 15 rows) 1.33x and 1.10x; same bits. More rows
-// stay in attend_lanes, whose score buffer is 16 rows at a time. Splitting a decode's 3 units (KV heads) over 2
-// threads by phase (scores by key range, then weights and values by row: the same bits) measured no faster in
-// DRAM and 0.8x in cache, and was left out; by output dims instead of rows, 1.06x to 1.10x in DRAM and down to
-// 0.8x on verify chunks (a Zen 4 under the avx2 build), left out too. AVX512 (without BF16: float32 is that tier's
+// stay in attend_lanes, whose score buffer is 16 rows at a time. A step of few such units spreads each unit over
+// the threads: run_split_units. AVX512 (without BF16: float32 is that tier's
 // dtype; the same Zen 4, the avx512 build, attention_bench --dtype float32 --baseline, 2 threads), against its
 // generic loops: a decode over 2,000 tokens 2.02x (in DRAM 1.57x), over 8,000 in DRAM 1.37x, verify chunks of 3,
 // 5 and 9 tokens 1.61x, 1.35x and 1.26x, the 13-token question 1.28x, prefills unchanged; same bits. The
@@ -985,90 +986,202 @@ inline void key_values(const Args& a, const int32_t* table, int kvh, int D, int 
     for (int i = 0; i < N; ++i) vstore(acc + d0 + 16 * i, o[i]);
 }
 
-template <int DC, typename E>
-void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>& buf) {
+// One (item, KV head) of attend_keys, in three phases over its own memory, so that a step of few units (a lone
+// decode: 3 units for 2 threads) can spread each unit's phases over the threads (kSplitParts below):
+//   1. scores of blocks [b0, b1), with each row's max per key lane over them (into that part's maxima);
+//   2. weights of blocks [b0, b1): the row's max (every part's lane maxima, then a halving tree: exact, as a
+//      max is in any order), exp_nonpos(score - max), hidden keys exactly 0;
+//   3. output dims [d0, d1): weights x values key by key in position order, the sum of weights per key lane in
+//      block order and its halving tree, the division.
+// Each score, weight and output dim is the same fma chain whichever blocks or dims a call covers, so a unit run
+// whole and a unit run in parts give the same bits.
+struct KeyUnit {
+    ItemKeys ik;
+    int kvh = 0, R = 0, span = 0, parts = 1;
+    float* qf = nullptr;   // [R, D] scaled queries
+    float* w = nullptr;    // [R, span] scores, then weights
+    float* acc = nullptr;  // [R, D] weighted sums of values
+    float* mx = nullptr;   // [parts][R, 16] max per key lane over that part's blocks
+};
+
+template <int D>
+KeyUnit key_unit(const Args& a, const ItemKeys& ik, int kvh, int parts, std::vector<float>& buf) {
     using namespace simd;
-    constexpr int BS = 16, D = DC;
-    const int G = a.heads / a.kv_heads, R = ik.ntok * G;
-    const int b_lo = ik.b_lo, b_hi = ik.b_hi, span = (b_hi - b_lo) * BS;
-    buf.resize(static_cast<size_t>(R) * (2 * D + span + 2 * kLanes) + D * kLanes);
-    float* qf = buf.data();       // [R, D] scaled queries
-    float* w = qf + R * D;        // [R, span] scores, then weights
-    float* acc = w + R * span;    // [R, D] weighted sums of values
-    float* mx = acc + R * D;      // [R, 16] max per key lane, then the row's max in [r * 16]
-    float* ls = mx + R * kLanes;  // [R, 16] sum of weights per key lane
-    float* kt = ls + R * kLanes;  // [D, 16] one block's keys, transposed
+    KeyUnit u;
+    u.ik = ik, u.kvh = kvh, u.parts = parts;
+    const int G = a.heads / a.kv_heads;
+    u.R = ik.ntok * G, u.span = (ik.b_hi - ik.b_lo) * 16;
+    const int R = u.R;
+    buf.resize(static_cast<size_t>(R) * (2 * D + u.span + parts * kLanes));
+    u.qf = buf.data(), u.w = u.qf + R * D, u.acc = u.w + static_cast<int64_t>(R) * u.span, u.mx = u.acc + R * D;
     for (int r = 0; r < R; ++r) {
         const int64_t qo = (ik.tok0 + r / G) * a.q_stride_t + (kvh * G + r % G) * a.q_stride_h;
-        for (int d = 0; d < D; ++d) qf[r * D + d] = load<kDtypeF32>(a.q, qo + d) * a.scale;
+        for (int d = 0; d < D; ++d) u.qf[r * D + d] = load<kDtypeF32>(a.q, qo + d) * a.scale;
     }
-    for (int i = 0; i < R * D; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < R * D; ++i) u.acc[i] = 0.0f;
+    for (int i = 0; i < parts * R; ++i) vstore(u.mx + i * kLanes, vset1(-INFINITY));
+    return u;
+}
+
+// Phase 1. kt: [D, 16] scratch for one block's keys, transposed.
+template <int D, typename E>
+void key_unit_scores(const Args& a, const KeyUnit& u, int part, int b0, int b1, float* kt) {
+    using namespace simd;
+    constexpr int BS = 16;
+    const ItemKeys& ik = u.ik;
+    const int G = a.heads / a.kv_heads, R = u.R;
+    float* mx = u.mx + static_cast<int64_t>(part) * R * kLanes;
     alignas(64) float iota[kLanes];
     for (int j = 0; j < kLanes; ++j) iota[j] = static_cast<float>(j);
     const VF lane = vload(iota);
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
-    const auto prefetch = [&](const void* cache, int b) { prefetch_kv_block<E>(a, cache, ik.table, b, kvh, D); };
-    // Pass 1: scores, and each row's max per key lane over the keys it sees.
-    for (int r = 0; r < R; ++r) vstore(mx + r * kLanes, vset1(-INFINITY));
-    for (int b = b_lo; b < std::min(b_hi, b_lo + kLanePrefetch); ++b) prefetch(a.k_cache, b);
-    for (int b = b_lo; b < b_hi; ++b) {
-        if (b + kLanePrefetch < b_hi) prefetch(a.k_cache, b + kLanePrefetch);
-        transpose_keys<D>(kv_block<E>(a, a.k_cache, ik.table, b, kvh, D), stride, kt);
+    const auto prefetch = [&](int b) { prefetch_kv_block<E>(a, a.k_cache, ik.table, b, u.kvh, D); };
+    for (int b = b0; b < std::min(b1, b0 + kLanePrefetch); ++b) prefetch(b);
+    for (int b = b0; b < b1; ++b) {
+        if (b + kLanePrefetch < b1) prefetch(b + kLanePrefetch);
+        transpose_keys<D>(kv_block<E>(a, a.k_cache, ik.table, b, u.kvh, D), stride, kt);
         const VF pos = vadd(lane, vset1(static_cast<float>(BS * b)));
         for (int r0 = 0; r0 < R; r0 += kKeyRowGroup)
             with_count<kKeyRowGroup>(std::min(kKeyRowGroup, R - r0), [&](auto N) {
                 VF s[N.value];
-                key_scores<N.value>(qf + r0 * D, D, kt, s);
+                key_scores<N.value>(u.qf + r0 * D, D, kt, s);
                 for (int i = 0; i < N.value; ++i) {
                     const int r = r0 + i, t = r / G;
-                    vstore(w + static_cast<int64_t>(r) * span + (b - b_lo) * BS, s[i]);
+                    vstore(u.w + static_cast<int64_t>(r) * u.span + (b - ik.b_lo) * BS, s[i]);
                     const VF m = vload(mx + r * kLanes);
                     const VF lo = vset1(static_cast<float>(ik.first_key(a, t))), hi = vset1(static_cast<float>(ik.end_key(a, t)));
                     vstore(mx + r * kLanes, vkeep(pos, lo, hi, vmax(s[i], m), m));
                 }
             });
     }
-    // Pass 2: each row's max (a halving tree: exact), its weights and their sums per key lane, block by block.
+}
+
+// Phase 2.
+inline void key_unit_weights(const Args& a, const KeyUnit& u, int b0, int b1) {
+    using namespace simd;
+    constexpr int BS = 16;
+    const ItemKeys& ik = u.ik;
+    const int G = a.heads / a.kv_heads, R = u.R;
+    alignas(64) float iota[kLanes], mr[kLanes];
+    for (int j = 0; j < kLanes; ++j) iota[j] = static_cast<float>(j);
+    const VF lane = vload(iota);
     for (int r = 0; r < R; ++r) {
-        float* mr = mx + r * kLanes;
+        VF m = vload(u.mx + r * kLanes);
+        for (int part = 1; part < u.parts; ++part) m = vmax(vload(u.mx + (static_cast<int64_t>(part) * R + r) * kLanes), m);
+        vstore(mr, m);
         for (int h = kLanes / 2; h >= 1; h /= 2)
             for (int j = 0; j < h; ++j) mr[j] = mr[j] > mr[j + h] ? mr[j] : mr[j + h];
         const int t = r / G, klo = ik.first_key(a, t), khi = ik.end_key(a, t);
-        const VF m = vset1(mr[0]), lo = vset1(static_cast<float>(klo)), hi = vset1(static_cast<float>(khi));
-        VF sum = vzero();
-        for (int b = b_lo; b < b_hi; ++b) {
-            float* p = w + static_cast<int64_t>(r) * span + (b - b_lo) * BS;
-            const VF e = exp_nonpos_lanes(vsub(vload(p), m));
-            const VF pb = (klo <= BS * b && khi >= BS * b + BS) ? e : vkeep(vadd(lane, vset1(static_cast<float>(BS * b))), lo, hi, e, vzero());
-            vstore(p, pb);
-            sum = vadd(sum, pb);
+        const VF mv = vset1(mr[0]), lo = vset1(static_cast<float>(klo)), hi = vset1(static_cast<float>(khi));
+        for (int b = b0; b < b1; ++b) {
+            float* p = u.w + static_cast<int64_t>(r) * u.span + (b - ik.b_lo) * BS;
+            const VF e = exp_nonpos_lanes(vsub(vload(p), mv));
+            vstore(p, (klo <= BS * b && khi >= BS * b + BS) ? e : vkeep(vadd(lane, vset1(static_cast<float>(BS * b))), lo, hi, e, vzero()));
         }
-        vstore(ls + r * kLanes, sum);
     }
-    // Pass 3: weights x values, in runs of kValueBlocks blocks (a run's values come from memory for the first
-    // row and dims, from L1 for the rest).
+}
+
+// Phase 3: dims [d0, d1), multiples of 16, in runs of kValueBlocks blocks (a run's values come from memory for
+// the first row, from L1 for the rest).
+template <int D, typename E>
+void key_unit_values(const Args& a, const KeyUnit& u, int d0, int d1) {
+    using namespace simd;
+    constexpr int BS = 16;
+    const ItemKeys& ik = u.ik;
+    const int G = a.heads / a.kv_heads, R = u.R, b_lo = ik.b_lo, b_hi = ik.b_hi;
+    constexpr int64_t kBytes = sizeof(E);
+    const auto prefetch = [&](int b) { prefetch_kv_block<E>(a, a.v_cache, ik.table, b, u.kvh, D, d0 * kBytes, d1 * kBytes); };
     for (int b0 = b_lo; b0 < b_hi; b0 += kValueBlocks) {
         const int b1 = std::min(b_hi, b0 + kValueBlocks);
-        for (int b = b1; b < std::min(b_hi, b1 + kValueBlocks); ++b) prefetch(a.v_cache, b);
+        for (int b = b1; b < std::min(b_hi, b1 + kValueBlocks); ++b) prefetch(b);
         if (b0 == b_lo)
-            for (int b = b0; b < b1; ++b) prefetch(a.v_cache, b);
+            for (int b = b0; b < b1; ++b) prefetch(b);
         for (int r = 0; r < R; ++r) {
             const int t = r / G;
-            for (int d0 = 0; d0 < D; d0 += 16 * kKeyOutVecs)
-                with_count<kKeyOutVecs>(std::min(kKeyOutVecs, (D - d0) / 16), [&](auto N) {
-                    key_values<N.value, E>(a, ik.table, kvh, D, b0, b1, b_lo, ik.first_key(a, t), ik.end_key(a, t),
-                                        w + static_cast<int64_t>(r) * span, d0, acc + r * D);
+            for (int dc = d0; dc < d1; dc += 16 * kKeyOutVecs)
+                with_count<kKeyOutVecs>(std::min(kKeyOutVecs, (d1 - dc) / 16), [&](auto N) {
+                    key_values<N.value, E>(a, ik.table, u.kvh, D, b0, b1, b_lo, ik.first_key(a, t), ik.end_key(a, t),
+                                           u.w + static_cast<int64_t>(r) * u.span, dc, u.acc + r * D);
                 });
         }
     }
     for (int r = 0; r < R; ++r) {
-        float* lr = ls + r * kLanes;  // the sums' halving tree over the key lanes
-        for (int h = kLanes / 2; h >= 1; h /= 2)
+        VF sum = vzero();  // the weights' sums per key lane, in block order
+        for (int b = b_lo; b < b_hi; ++b) sum = vadd(sum, vload(u.w + static_cast<int64_t>(r) * u.span + (b - b_lo) * BS));
+        alignas(64) float lr[kLanes];
+        vstore(lr, sum);
+        for (int h = kLanes / 2; h >= 1; h /= 2)  // the sums' halving tree over the key lanes
             for (int j = 0; j < h; ++j) lr[j] += lr[j + h];
-        const float sum = lr[0] > 0.0f ? lr[0] : 1.0f;  // a row that sees no key (not causal): 0
-        const int64_t oo = (static_cast<int64_t>(ik.tok0 + r / G) * a.heads + kvh * G + r % G) * D;
-        for (int d = 0; d < D; ++d) store<kDtypeF32>(a.out, oo + d, acc[r * D + d] / sum);
+        const float s = lr[0] > 0.0f ? lr[0] : 1.0f;  // a row that sees no key (not causal): 0
+        const int64_t oo = (static_cast<int64_t>(ik.tok0 + r / G) * a.heads + u.kvh * G + r % G) * D;
+        for (int d = d0; d < d1; ++d) store<kDtypeF32>(a.out, oo + d, u.acc[r * D + d] / s);
     }
+}
+
+template <int DC, typename E>
+void attend_keys(const Args& a, const ItemKeys& ik, int kvh, std::vector<float>& buf) {
+    constexpr int D = DC;
+    alignas(64) float kt[D * kLanes];
+    const KeyUnit u = key_unit<D>(a, ik, kvh, 1, buf);
+    key_unit_scores<D, E>(a, u, 0, ik.b_lo, ik.b_hi, kt);
+    key_unit_weights(a, u, ik.b_lo, ik.b_hi);
+    key_unit_values<D, E>(a, u, 0, D);
+}
+
+// A step of few attend_keys units over long contexts, such as a lone request's decode or a warm request's one
+// new token: 3 units (the default model's KV heads) on 2 threads leave one thread idle for a third of the walk.
+// Each unit is then run in kSplitParts parts per phase (its blocks' halves, then its dims' halves), each phase's
+// parts spread over the threads, with the same bits as whole (KeyUnit). Taken when parts spread the units' work
+// more evenly over the threads than whole units do, and every item is a key-lanes item with at least
+// kSplitMinKeys keys. A Zen 1 EPYC (AVX2; attention_bench --baseline, 2 threads, the same bits): a decode over
+// 2,000 keys in DRAM 1.14x faster over a float32 cache and 1.26x over a float16 one, over 8,000 1.17x and 1.28x,
+// verify chunks of 3 and 5 tokens 1.12x to 1.19x; the engine's warm step (one token over 2,029 cached, float16
+// cache) 23.5 -> 21.2 ms. At 128 keys it measured the same as whole units (1.00x): short contexts stay whole.
+// Measured on that Zen 1 only: splits of this kind tried on a Zen 4 (session 17) gave decodes 1.06x to 1.10x in
+// DRAM and verify chunks down to 0.8x; an AVX512 machine should rerun attention_bench --baseline.
+constexpr int kSplitParts = 2;
+constexpr int kSplitMinKeys = 512;
+
+template <int D, typename E>
+bool run_split_units(const Args& a, int threads) {
+    static_assert(D % (16 * kSplitParts) == 0, "dims split in whole vectors");
+    const int64_t work = a.num_items * a.kv_heads;
+    const auto rounds = [&](int64_t tasks) { return (tasks + threads - 1) / threads; };
+    if (threads < 2 || work > 4 * threads || rounds(kSplitParts * work) >= kSplitParts * rounds(work)) return false;
+    std::vector<ItemKeys> iks(static_cast<size_t>(a.num_items));
+    for (int64_t i = 0; i < a.num_items; ++i) {
+        iks[i] = ItemKeys(a, i, 16);
+        const int rows = iks[i].ntok * (a.heads / a.kv_heads);
+        if (rows > kKeyRowsMax || (iks[i].b_hi - iks[i].b_lo) * 16 < kSplitMinKeys) return false;
+    }
+    std::vector<std::vector<float>> bufs(static_cast<size_t>(work));
+    std::vector<KeyUnit> units(static_cast<size_t>(work));
+    for (int64_t w = 0; w < work; ++w)
+        units[w] = key_unit<D>(a, iks[w / a.kv_heads], static_cast<int>(w % a.kv_heads), kSplitParts, bufs[w]);
+    const int64_t tasks = work * kSplitParts;
+    const auto share = [](int lo, int hi, int part) { return lo + (hi - lo) * part / kSplitParts; };
+#pragma omp parallel num_threads(threads)
+    {
+        alignas(64) float kt[D * kLanes];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const KeyUnit& u = units[t / kSplitParts];
+            const int part = static_cast<int>(t % kSplitParts);
+            key_unit_scores<D, E>(a, u, part, share(u.ik.b_lo, u.ik.b_hi, part), share(u.ik.b_lo, u.ik.b_hi, part + 1), kt);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const KeyUnit& u = units[t / kSplitParts];
+            const int part = static_cast<int>(t % kSplitParts);
+            key_unit_weights(a, u, share(u.ik.b_lo, u.ik.b_hi, part), share(u.ik.b_lo, u.ik.b_hi, part + 1));
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const int part = static_cast<int>(t % kSplitParts);
+            key_unit_values<D, E>(a, units[t / kSplitParts], share(0, D, part), share(0, D, part + 1));
+        }
+    }
+    return true;
 }
 
 template <int DT, int KT, int BSC, int DC>
@@ -1078,6 +1191,10 @@ void run_items(const Args& a, int threads) {
         return run_bf16_items<DC>(a, threads);
     }
 #endif
+    if constexpr (DT == kDtypeF32 && (KT == kDtypeF32 || KT == kDtypeF16) && BSC == 16 && DC > 0 &&
+                  DC % (16 * kSplitParts) == 0 && kKeyRowsMax > 0) {
+        if (run_split_units<DC, typename CacheElem<KT>::type>(a, threads)) return;
+    }
     const int64_t work = a.num_items * a.kv_heads;
 #pragma omp parallel num_threads(threads)
     {
