@@ -87,13 +87,13 @@ def _default_model_path():
         pytest.skip(f"default model not available here: {exc}")
 
 
-def test_the_default_models_layers_take_q8_and_its_head_does_not(tiny_model):
+def test_the_default_models_layers_and_head_take_q8(tiny_model):
     from engine.model.loading.loader import load_model
 
     kernels_or_skip("quant_linear")
     model = load_model(_default_model_path(), torch.device("cpu"), torch.float32, quantize_activations="q8")
     kinds = [m.kind for m in model.modules() if isinstance(m, QuantLinear)]
-    assert kinds.count("Q4_1 x Q8") == 120 and kinds.count("Q8_0") == 1, kinds
+    assert kinds.count("Q4_1 x Q8") == 120 and kinds.count("Q8_0 x Q8") == 1 and len(kinds) == 121, kinds
     with pytest.raises(
         ValueError, match="--quantize-activations q8"
     ):  # Hugging Face weights: nothing to apply to
@@ -140,7 +140,7 @@ def test_auto_turns_q8_on_on_the_tiers_it_was_measured_faster_on(name, monkeypat
             pytest.skip("no kernels here")
         model = load_model(path, torch.device("cpu"), torch.float32, quantize_activations="auto")
         kinds = {m.kind for m in model.modules() if isinstance(m, QuantLinear)}
-        want = {"Q4_1 x Q8", "Q8_0"} if kernels.tier in Q8_AUTO_TIERS else {"Q4_1", "Q8_0"}
+        want = {"Q4_1 x Q8", "Q8_0 x Q8"} if kernels.tier in Q8_AUTO_TIERS else {"Q4_1", "Q8_0"}
         assert kinds == want, f"{kernels.tier}: {kinds}"
         assert (
             ("avx2" in Q8_AUTO_TIERS)

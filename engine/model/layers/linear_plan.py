@@ -42,8 +42,10 @@ class LinearPlan:
     pack: bool = False
     # pad a packed linear's rows as its shape's probe says (False: --no-batch-invariant)
     probe: bool = True
-    # the quantized linears but the head take Q8 activations (--quantize-activations q8): the head runs once
-    # per sampled row, so it would gain little speed for its share of the rounding
+    # the quantized linears take Q8 activations (--quantize-activations q8), the head too, as llama.cpp's CPU
+    # path does: at one row it is a quarter of a decode step's weights (the default model's 49,152 x 576 Q8_0),
+    # 4.97 -> 2.53 ms with q8 on a Zen 1 (AVX2, 2 threads), where a decode step takes ~12.7 ms; the accuracy
+    # it costs is in docs/determinism.md#q8-activations
     q8_activations: bool = False
 
     def __post_init__(self) -> None:
@@ -58,8 +60,9 @@ class LinearPlan:
         parts = self.quantized.get(name)
         if parts is not None:
             assert self.kernels is not None
-            q8 = self.q8_activations and name != HEAD
-            return QuantLinear.of_parts(self.kernels, parts, weight.shape[1], bias, q8_activations=q8)
+            return QuantLinear.of_parts(
+                self.kernels, parts, weight.shape[1], bias, q8_activations=self.q8_activations
+            )
         if not self.pack:
             return dense
         out_f, in_f = weight.shape
