@@ -44,7 +44,7 @@ class EngineConfig:
     express_lane: bool = True
     batch_invariant: bool = True  # same bits whatever shares a step; off trades that for speed
     quantization: str = "auto"  # auto: a GGUF's Q4_1/Q8_0 run as stored (quant_linear); none: dequantized
-    # q8: those linears (not the head) quantize their inputs to int8 per block of 32 (csrc/quant_q8.h); auto:
+    # q8: those linears (the head too) quantize their inputs to int8 per block of 32 (csrc/quant_q8.h); auto:
     # where the CPU's kernel tier is faster with it (loading.loader.Q8_AUTO_TIERS: AVX512 without BF16, AVX2);
     # none (the default): the exact float path, which answers as transformers does (docs/determinism.md)
     quantize_activations: str = "none"

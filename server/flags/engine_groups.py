@@ -73,10 +73,10 @@ def add_model_flags(s: argparse.ArgumentParser) -> None:
         "--quantize-activations",
         choices=("auto", "none", "q8"),
         default="none",
-        help="q8: the linears that run a GGUF's weights as stored (all but the output head) round their "
+        help="q8: the linears that run a GGUF's weights as stored (the output head too) round their "
         "inputs to int8 per block of 32 and take exact integer dot products, llama.cpp's CPU route and its "
-        "answers: 1.5-2.2x faster linears where the CPU lacks AVX512-BF16, at about bfloat16's accuracy "
-        "cost on average, though a near tie may then go another way than transformers' (docs/determinism.md); "
+        "answers: 1.5-2.2x faster linears where the CPU lacks AVX512-BF16, at somewhat more than bfloat16's "
+        "accuracy cost on average, though a near tie may then go another way than transformers' (docs/determinism.md); "
         "invariant like every path. auto: q8 where Brine's kernels measured faster with it (AVX512 without "
         "BF16, AVX2), none elsewhere; the startup log's linears say 'x Q8' when on. q8 needs --quantization "
         "auto and a GGUF model (default: none, the exact float path)",
