@@ -722,9 +722,8 @@ template <typename E>
 inline const E* kv_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D) {
     return static_cast<const E*>(cache) + (static_cast<int64_t>(table[b]) * 16 * a.kv_heads + kvh) * D;
 }
-// Asks for those rows in L2: they are scattered (kv_heads apart, blocks anywhere), where the hardware prefetcher
-// would not guess them.
-// Bytes [o0, o1) of each row (all of it unless told).
+// Asks for those rows (bytes [o0, o1) of each, all of it unless told) in L2: they are scattered (kv_heads apart,
+// blocks anywhere), where the hardware prefetcher would not guess them.
 template <typename E>
 inline void prefetch_kv_block(const Args& a, const void* cache, const int32_t* table, int b, int kvh, int D,
                               int64_t o0 = 0, int64_t o1 = -1) {
@@ -878,6 +877,7 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
 //     per block is that), then the same halving tree;
 //   - output: 16 dims in a vector, fma(weight, value, o) key by key in position order over the keys the row
 //     sees (the others left out), divided by the sum at the end.
+
 // kt[d * 16 + j] = kb[j * stride + d]: a block's 16 keys (rows of D elements, stride apart), transposed, 8 keys x 4
 // dims at a time in ymm registers on AVX2 and AVX512 (the tiers that take attend_keys: kKeyRowsMax); plain loops
 // elsewhere. Keys i and i + 4 share a register from the load ([key i | key i + 4], 4 dims each), so that the
