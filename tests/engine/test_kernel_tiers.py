@@ -219,7 +219,7 @@ def test_a_lone_decode_spread_over_the_threads_has_the_bits_of_one_thread(tier, 
     evenly over the threads: on the tiers with the keys-in-lanes path each unit's blocks, then its dims, are
     split over the threads (csrc/paged_attention.cpp, run_split_units), with the bits of the unit run whole
     on one thread, over float32 and float16 caches, with a sliding window, and right."""
-    from test_native_attention import TOL, Paged, _run
+    from test_native_attention import TOL, Paged, _on_one_and_more_threads
 
     from engine.model.attention.native import NativeBackend
 
@@ -230,14 +230,8 @@ def test_a_lone_decode_spread_over_the_threads_has_the_bits_of_one_thread(tier, 
         reqs = [(n, ctx, c.table(ctx))]
         q = torch.randn(n, c.h, c.d, generator=c.g)
         what = f"{n} over {ctx}, {kv_dtype} cache, window {window}, on {tier.tier} ({isa_summary()})"
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = _run(backend, c, q, reqs, window)
-            torch.set_num_threads(2)
-            two = _run(backend, c, q, reqs, window)
-        finally:
-            torch.set_num_threads(before)
+        # exactly 2 threads: whether a step is split depends on the count (3 threads take 3 units whole)
+        one, two, _ = _on_one_and_more_threads(backend, c, q, reqs, window, more=2)
         assert torch.equal(one, two), what
         k, v = c.k, c.v
         c.k, c.v = k.float(), v.float()

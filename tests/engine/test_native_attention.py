@@ -81,17 +81,20 @@ def _run(backend, c: Paged, q, reqs, window, causal=True):
         return backend.forward(q, q, q, c.k, c.v, backend.plan(meta), window, c.d**-0.5)
 
 
-def _on_one_and_more_threads(backend, c: Paged, q, reqs) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """_run on 1 thread, then on torch's count (at least 2): (one, more, that count)."""
+def _on_one_and_more_threads(
+    backend, c: Paged, q, reqs, window=None, more: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """_run on 1 thread, then on `more` (default: torch's count, at least 2): (one, more's, that count)."""
     before = torch.get_num_threads()
+    count = more or max(2, before)
     try:
         torch.set_num_threads(1)
-        one = _run(backend, c, q, reqs, None)
-        torch.set_num_threads(max(2, before))
-        more = _run(backend, c, q, reqs, None)
+        one = _run(backend, c, q, reqs, window)
+        torch.set_num_threads(count)
+        many = _run(backend, c, q, reqs, window)
     finally:
         torch.set_num_threads(before)
-    return one, more, max(2, before)
+    return one, many, count
 
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
