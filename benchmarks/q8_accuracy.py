@@ -118,7 +118,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for setting in args.settings.split(","):
         chosen, top = brine(setting, ids)
-        print(f"| {setting} | {cells(ref, ids, torch.tensor(chosen), torch.tensor(top))} |")
+        print(
+            f"| {setting} | {cells(ref, ids, torch.tensor(chosen, dtype=torch.float64), torch.tensor(top))} |"
+        )
 
 
 if __name__ == "__main__":
