@@ -1106,7 +1106,9 @@ void key_unit_values(const Args& a, const KeyUnit& u, int d0, int d1) {
         }
     }
     for (int r = 0; r < R; ++r) {
-        VF sum = vzero();  // the weights' sums per key lane, in block order
+        // The weights' sums per key lane, in block order. Each dim part of a split unit sums them again itself:
+        // a vector add per block, cheaper than a barrier to share one part's.
+        VF sum = vzero();
         for (int b = b_lo; b < b_hi; ++b) sum = vadd(sum, vload(u.w + static_cast<int64_t>(r) * u.span + (b - b_lo) * BS));
         alignas(64) float lr[kLanes];
         vstore(lr, sum);
