@@ -182,29 +182,36 @@ def test_the_attention_matches_a_float64_reference_and_keeps_a_rows_bits(tier, d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_inside_a_prompt(tier, dtype):
+@pytest.mark.parametrize(
+    "heads,window", [((9, 3), None), ((8, 2), None), ((8, 2), 50)], ids=["gqa3", "gqa4", "gqa4-window"]
+)
+def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_inside_a_prompt(
+    tier, dtype, heads, window
+):
     """Items at the end of a long context (a question after a cached document, a verify chunk) take the
     keys-in-lanes path on AVX2 up to 64 rows (csrc/paged_attention.cpp, kKeyRowsTail), where the same rows
     further from the end of a longer query take the row-lanes one: the same bits either way, on 1 and 2
-    threads, and right."""
+    threads, and right. Its value walk shares each value load among a few rows (kKeyValueRows: 3 on AVX2, 4 on
+    AVX512); with 4 query heads per KV head, or 3, one of the tiers' groups holds rows of two tokens, which see
+    different keys (one more at the end; with a window, one less at the start)."""
     from test_native_attention import TOL, Paged, _on_one_and_more_threads, _run
 
     from engine.model.attention.native import NativeBackend
 
     backend = NativeBackend(tier)
-    c = Paged((9, 3), 64, 16, dtype, seed=4)
+    c = Paged(heads, 64, 16, dtype, seed=4)
     table = c.table(800)
     first = 655  # a 145-token query: items of 16 tokens from 655, so 687..702 is one, 113 tokens from its end
     q_long = torch.randn(800 - first, c.h, c.d, generator=c.g).to(dtype)
-    inside = _run(backend, c, q_long, [(800 - first, 800, table)], None)
+    inside = _run(backend, c, q_long, [(800 - first, 800, table)], window)
     for n in (13, 9, 1):  # 39, 27 and 3 rows, ending at position 699, over 700 - n cached keys
         reqs = [(n, 700, table[: -(-700 // 16)])]
         q = q_long[700 - n - first : 700 - first]
         what = f"{n} tokens, {dtype} on {tier.tier} ({isa_summary()})"
-        one, got, _ = _on_one_and_more_threads(backend, c, q, reqs)
+        one, got, _ = _on_one_and_more_threads(backend, c, q, reqs, window)
         assert torch.equal(got, inside[700 - n - first : 700 - first]), what
         assert torch.equal(one, got), what
-        err = (got.double() - c.reference(q, reqs, None)).abs().max().item()
+        err = (got.double() - c.reference(q, reqs, window)).abs().max().item()
         assert err <= TOL[dtype], f"max error {err}: {what}"
 
 

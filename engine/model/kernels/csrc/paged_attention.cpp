@@ -950,9 +950,17 @@ constexpr int kKeyRowsTail = 0;
 constexpr int kKeyTailTokens = 64;     // an item's first token at most this far from the end of its context,
 constexpr int kKeyTailContext = 512;  // and at least this far from its start
 constexpr int kKeyRowGroup = 4;  // rows whose scores are computed together: independent fma chains
-// Output vectors per row in one walk over a run of blocks (16 dims each): AVX2's 16 ymm hold 8 (two per
-// vector) beside the operands.
+// The value walk's register block: kKeyValueRows rows (a decode's GQA group is 3 in the default model) times
+// kKeyOutVecs output vectors of 16 dims each; every value vector is loaded (and widened from float16) once and
+// used by all the rows. AVX2's 16 ymm: 3 x 2 VF = 12 accumulators (two ymm per VF), the rows' 3 weights and the
+// operand; AVX512's 32 zmm: 4 x 4 = 16.
+#if defined(BRINE_SIMD_AVX512)
+constexpr int kKeyValueRows = 4;
 constexpr int kKeyOutVecs = 4;
+#else
+constexpr int kKeyValueRows = 3;
+constexpr int kKeyOutVecs = 2;
+#endif
 
 template <int N>
 inline void key_scores(const float* q, int D, const float* kt, simd::VF* s) {  // s[i] = the 16 keys' scores, row i
@@ -964,26 +972,97 @@ inline void key_scores(const float* q, int D, const float* kt, simd::VF* s) {  /
     }
 }
 
-// Output dims [d0, d0 + 16 N) of one row over blocks [b0, b1): o = fma(w[key], v[key][dim], o), key by key over
-// the keys [klo, khi) it sees, continuing from acc.
-template <int N, typename E>
-inline void key_values(const Args& a, const int32_t* table, int kvh, int D, int b0, int b1, int b_lo, int klo, int khi,
-                       const float* w, int d0, float* acc) {
+#if defined(BRINE_SIMD_AVX2) || defined(BRINE_SIMD_AVX512)
+inline simd::VF vf_of_halves(__m256 lo, __m256 hi) {  // keys 0..7 and 8..15 as one VF
+#if defined(BRINE_SIMD_AVX512)
+    return {_mm512_insertf64x4(_mm512_castps256_ps512(lo), _mm256_castps_pd(hi), 1)};
+#else
+    return {lo, hi};
+#endif
+}
+
+// key_scores straight from a block's keys as stored, for N <= kKeyRowGroup rows (a decode's GQA group): each 4
+// dims of 8 keys are transposed in registers and used at once, with no transposed copy stored and read back (at
+// head_dim 64 a block's copy is 256 stores of 16 bytes, Zen 1's store width, against 384 ymm fmas for 3 rows).
+// Each lane's chain is the same: fma over d in order from 0. Both halves of the block go together: 2N
+// independent chains hide the fma latency that N alone would wait on. A Zen 1 EPYC (attention_bench --baseline
+// --kv-float16 --cases decode, the same bits): a decode over 2,000 keys in the CPU's caches 1.10x faster on one
+// thread, 1.07x on two; from DRAM 1.01x to 1.04x (the reads dominate there). Items of more rows transpose each
+// block once for all their row groups (transpose_keys).
+template <int N, int D, typename E>
+inline void key_scores_direct(const float* q, const E* kb, int64_t stride, simd::VF* s) {
+    __m256 lo[N], hi[N];
+    for (int i = 0; i < N; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int d0 = 0; d0 < D; d0 += 4) {
+        __m256 cl[4], ch[4];
+        const E* p = kb + d0;
+        transpose4x4_lanes(load4x2_kv(p, p + 4 * stride), load4x2_kv(p + stride, p + 5 * stride),
+                           load4x2_kv(p + 2 * stride, p + 6 * stride), load4x2_kv(p + 3 * stride, p + 7 * stride), cl);
+        p += 8 * stride;
+        transpose4x4_lanes(load4x2_kv(p, p + 4 * stride), load4x2_kv(p + stride, p + 5 * stride),
+                           load4x2_kv(p + 2 * stride, p + 6 * stride), load4x2_kv(p + 3 * stride, p + 7 * stride), ch);
+        for (int k = 0; k < 4; ++k)
+            for (int i = 0; i < N; ++i) {
+                const __m256 qd = _mm256_broadcast_ss(q + i * D + d0 + k);
+                lo[i] = _mm256_fmadd_ps(qd, cl[k], lo[i]);
+                hi[i] = _mm256_fmadd_ps(qd, ch[k], hi[i]);
+            }
+    }
+    for (int i = 0; i < N; ++i) s[i] = vf_of_halves(lo[i], hi[i]);
+}
+#else
+template <int N, int D, typename E>
+inline void key_scores_direct(const float* q, const E* kb, int64_t stride, simd::VF* s) {
+    alignas(64) float kt[D * kLanes];
+    transpose_keys<D>(kb, stride, kt);
+    key_scores<N>(q, D, kt, s);
+}
+#endif
+
+// Output dims [d0, d0 + 16 N) of NR rows over blocks [b0, b1): o = fma(w[key], v[key][dim], o), key by key over
+// the keys [klo[i], khi[i]) row i sees, continuing from acc[i]. A key every row sees is loaded once for all of
+// them; one only some rows see (the edges of a causal chunk's or a window's ranges) is added to those rows alone,
+// in the same key order, so each row's chain is the one it walks alone: its own keys in position order, hidden
+// ones left out as on every path (not added with weight 0, which an inf or NaN value would turn into NaN).
+// Against one row per walk (a Zen 1 EPYC, attention_bench --baseline --kv-float16, 2 threads, the same bits):
+// a decode over 2,000 keys 1.18x (in DRAM 1.07x), verify chunks of 3 to 9 tokens 1.19x to 1.25x, the 13-token
+// question 1.28x, a 16-token chunk over 2,000 1.30x, prefills within noise.
+template <int NR, int N, typename E>
+inline void key_values(const Args& a, const int32_t* table, int kvh, int D, int b0, int b1, int b_lo, const int* klo,
+                       const int* khi, const float* const* w, int d0, float* const* acc) {
     using namespace simd;
     constexpr int BS = 16;
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
-    VF o[N];
-    for (int i = 0; i < N; ++i) o[i] = vload(acc + d0 + 16 * i);
+    VF o[NR][N];
+    int all_lo = klo[0], all_hi = khi[0], any_lo = klo[0], any_hi = khi[0];
+    for (int i = 0; i < NR; ++i) {
+        for (int n = 0; n < N; ++n) o[i][n] = vload(acc[i] + d0 + 16 * n);
+        all_lo = std::max(all_lo, klo[i]), all_hi = std::min(all_hi, khi[i]);
+        any_lo = std::min(any_lo, klo[i]), any_hi = std::max(any_hi, khi[i]);
+    }
     for (int b = b0; b < b1; ++b) {
         const E* vb = kv_block<E>(a, a.v_cache, table, b, kvh, D) + d0;
-        const float* p = w + (b - b_lo) * BS;
-        const int jlo = std::max(klo - BS * b, 0), jhi = std::min(khi - BS * b, BS);
+        const int off = (b - b_lo) * BS, jlo = std::max(any_lo - BS * b, 0), jhi = std::min(any_hi - BS * b, BS);
+        const int slo = all_lo - BS * b, shi = all_hi - BS * b;
         for (int j = jlo; j < jhi; ++j) {
-            const VF pj = vset1(p[j]);
-            for (int i = 0; i < N; ++i) o[i] = vfmadd(pj, vload_kv(vb + j * stride + 16 * i), o[i]);
+            if (j >= slo && j < shi) {
+                VF p[NR];
+                for (int i = 0; i < NR; ++i) p[i] = vset1(w[i][off + j]);
+                for (int n = 0; n < N; ++n) {
+                    const VF v = vload_kv(vb + j * stride + 16 * n);
+                    for (int i = 0; i < NR; ++i) o[i][n] = vfmadd(p[i], v, o[i][n]);
+                }
+            } else {
+                for (int i = 0; i < NR; ++i)
+                    if (BS * b + j >= klo[i] && BS * b + j < khi[i]) {
+                        const VF p = vset1(w[i][off + j]);
+                        for (int n = 0; n < N; ++n) o[i][n] = vfmadd(p, vload_kv(vb + j * stride + 16 * n), o[i][n]);
+                    }
+            }
         }
     }
-    for (int i = 0; i < N; ++i) vstore(acc + d0 + 16 * i, o[i]);
+    for (int i = 0; i < NR; ++i)
+        for (int n = 0; n < N; ++n) vstore(acc[i] + d0 + 16 * n, o[i][n]);
 }
 
 // One (item, KV head) of attend_keys, in three phases over its own memory, so that a step of few units (a lone
@@ -1039,12 +1118,17 @@ void key_unit_scores(const Args& a, const KeyUnit& u, int part, int b0, int b1, 
     for (int b = b0; b < std::min(b1, b0 + kLanePrefetch); ++b) prefetch(b);
     for (int b = b0; b < b1; ++b) {
         if (b + kLanePrefetch < b1) prefetch(b + kLanePrefetch);
-        transpose_keys<D>(kv_block<E>(a, a.k_cache, ik.table, b, u.kvh, D), stride, kt);
+        const E* kb = kv_block<E>(a, a.k_cache, ik.table, b, u.kvh, D);
+        const bool direct = R <= kKeyRowGroup;
+        if (!direct) transpose_keys<D>(kb, stride, kt);
         const VF pos = vadd(lane, vset1(static_cast<float>(BS * b)));
         for (int r0 = 0; r0 < R; r0 += kKeyRowGroup)
             with_count<kKeyRowGroup>(std::min(kKeyRowGroup, R - r0), [&](auto N) {
                 VF s[N.value];
-                key_scores<N.value>(u.qf + r0 * D, D, kt, s);
+                if (direct)
+                    key_scores_direct<N.value, D>(u.qf + r0 * D, kb, stride, s);
+                else
+                    key_scores<N.value>(u.qf + r0 * D, D, kt, s);
                 for (int i = 0; i < N.value; ++i) {
                     const int r = r0 + i, t = r / G;
                     vstore(u.w + static_cast<int64_t>(r) * u.span + (b - ik.b_lo) * BS, s[i]);
@@ -1096,12 +1180,21 @@ void key_unit_values(const Args& a, const KeyUnit& u, int d0, int d1) {
         for (int b = b1; b < std::min(b_hi, b1 + kValueBlocks); ++b) prefetch(b);
         if (b0 == b_lo)
             for (int b = b0; b < b1; ++b) prefetch(b);
-        for (int r = 0; r < R; ++r) {
-            const int t = r / G;
+        for (int r0 = 0; r0 < R; r0 += kKeyValueRows) {
+            const int nr = std::min(kKeyValueRows, R - r0);
+            int klo[kKeyValueRows], khi[kKeyValueRows];
+            const float* w[kKeyValueRows];
+            float* acc[kKeyValueRows];
+            for (int i = 0; i < nr; ++i) {
+                const int r = r0 + i, t = r / G;
+                klo[i] = ik.first_key(a, t), khi[i] = ik.end_key(a, t);
+                w[i] = u.w + static_cast<int64_t>(r) * u.span, acc[i] = u.acc + r * D;
+            }
             for (int dc = d0; dc < d1; dc += 16 * kKeyOutVecs)
-                with_count<kKeyOutVecs>(std::min(kKeyOutVecs, (d1 - dc) / 16), [&](auto N) {
-                    key_values<N.value, E>(a, ik.table, u.kvh, D, b0, b1, b_lo, ik.first_key(a, t), ik.end_key(a, t),
-                                           u.w + static_cast<int64_t>(r) * u.span, dc, u.acc + r * D);
+                with_count<kKeyValueRows>(nr, [&](auto NR) {
+                    with_count<kKeyOutVecs>(std::min(kKeyOutVecs, (d1 - dc) / 16), [&](auto N) {
+                        key_values<NR.value, N.value, E>(a, ik.table, u.kvh, D, b0, b1, b_lo, klo, khi, w, dc, acc);
+                    });
                 });
         }
     }
