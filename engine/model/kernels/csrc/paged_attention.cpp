@@ -975,7 +975,8 @@ inline void key_scores(const float* q, int D, const float* kt, simd::VF* s) {  /
 #if defined(BRINE_SIMD_AVX2) || defined(BRINE_SIMD_AVX512)
 inline simd::VF vf_of_halves(__m256 lo, __m256 hi) {  // keys 0..7 and 8..15 as one VF
 #if defined(BRINE_SIMD_AVX512)
-    return {_mm512_insertf64x4(_mm512_castps256_ps512(lo), _mm256_castps_pd(hi), 1)};
+    const __m512d both = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1);
+    return {_mm512_castpd_ps(both)};
 #else
     return {lo, hi};
 #endif
