@@ -333,3 +333,40 @@ def test_the_startup_log_names_the_tier(monkeypatch):
     finally:
         monkeypatch.delenv("BRINE_CPU_TIER")
         native_kernels.load.cache_clear()
+
+
+# Every x86 tier's target, the AVX512-BF16 one (the native build of an AMX Xeon or a Zen 4) included: a machine
+# runs only the tiers its CPU has, so without this an AVX2 developer would never compile the AVX512 code.
+COMPILE_TARGETS = {
+    **{name: flags for name, (flags, _) in native_kernels.TIERS.items()},
+    "avx512-bf16": ("-march=sapphirerapids",),
+}
+
+
+@pytest.mark.skipif(not native_kernels._X86, reason="the x86 targets need an x86 compiler")
+def test_every_source_compiles_for_every_x86_tier_even_those_this_cpu_cannot_run():
+    """Each source, checked by the compiler (-fsyntax-only: types and every template used, no code) for each
+    tier's target: a type error in a branch of simd.h or of a kernel that only a higher tier compiles shows up
+    on every machine, not first on the CPUs that run it."""
+    import subprocess
+
+    compiler = native_kernels._compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    base = [f for f in native_kernels.FLAGS if f not in ("-march=native", "-shared")]
+    jobs = {
+        (tier, src.name): subprocess.Popen(
+            [compiler, *base, *flags, "-fsyntax-only", "-I", str(native_kernels.CSRC), str(src)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for tier, flags in COMPILE_TARGETS.items()
+        for src in native_kernels.SOURCES
+    }
+    failed = {}
+    for key, job in jobs.items():
+        _, err = job.communicate(timeout=300)
+        if job.returncode:
+            failed[key] = err[-2000:]
+    assert not failed, failed
