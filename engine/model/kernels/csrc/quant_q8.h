@@ -226,20 +226,61 @@ struct Q8Isa {  // two ymm: columns 0-7, then 8-15
 };
 #endif
 
+// Quad j of a record's q as the dot products take it: the vectors unpack_q8 stores at 64 j (+ 32 per ymm), made
+// in registers (quads 2i and 2i + 1 of a 4-bit record are the low and high nibbles of its 64-byte chunk i).
+inline void quad_weights(const uint8_t* qs, bool int8, int j, Q8Isa::I* wj) {
+    __m256i half[2];
+    if (!int8) {
+        const __m256i order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3,
+                                               10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+        const __m256i low4 = _mm256_set1_epi8(0x0f);
+        for (int s = 0; s < 2; ++s) {
+            __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * (j / 2) + 32 * s));
+            if (j % 2) v = _mm256_srli_epi16(v, 4);
+            half[s] = _mm256_shuffle_epi8(_mm256_and_si256(v, low4), order);
+        }
+    } else {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32));
+        const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+        half[0] = _mm256_permute2x128_si256(lo, hi, 0x20), half[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+    }
+#if defined(BRINE_SIMD_AVX512)
+    wj[0] = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+#else
+    wj[0] = half[0], wj[1] = half[1];
+#endif
+}
+
 // One row group against one tile's unpacked blocks (panel: blocks x kQ8Block), with the header's arithmetic.
 // Registers: a group's integer sums (R x kVecs) and a quad's weight vectors stay in registers through the quad
 // loop; the float totals live in memory, read and written once per block and segment (AVX2's 16 registers
 // cannot hold both). A block's two scales (halves) are two segments, each finished before the next starts.
 // The float steps per row and column are the header's, in its order, so every tier has the same bits.
-template <int R, bool kInt8, int kSegments>
+//
+// kDirect: the weights come from the tile's records as stored (rec), each quad made in registers as it is used
+// (quad_weights), instead of from a panel unpack_q8 wrote: for a step of one row group (a decode, a warm
+// prompt's last token), whose panel would be read once, that saves the panel's stores and loads. The same
+// vectors, so the same sums and bits.
+template <int R, bool kInt8, int kSegments, bool kDirect = false>
 void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
     using I = Q8Isa::I;
     constexpr int kV = Q8Isa::kVecs, kPer = kQuads / kSegments, kLane = kTile / kV;
     const bool min = a.kind.min();
+    const int64_t bytes = a.kind.bytes(), scales_bytes = a.kind.scales_bytes();
     alignas(64) float tot[R][kTile] = {};
+    alignas(64) float direct_scales[2 * kTile];
     for (int64_t b = 0; b < x.blocks; ++b) {
-        const uint8_t* w = panel + b * kQ8Block;
+        const uint8_t* w = kDirect ? panel + b * bytes : panel + b * kQ8Block;
         const float* scales = reinterpret_cast<const float*>(w + kQ8Scales);
+        if constexpr (kDirect) {
+            prefetch_record(w, a.kind);
+            VF dm[2];
+            load_scales(w, a.kind, dm);
+            vstore(direct_scales, dm[0]);
+            vstore(direct_scales + kTile, dm[1]);
+            scales = direct_scales;
+        }
         const int8_t* xb = x.q + x.at(r0, R, r0, b) * kBlock;  // row r0 + r's block: xb + 32 r
         const float* dx_b = x.d + x.at(r0, R, r0, b);          // its scale: dx_b[r]
         const float* sx_b = x.s + x.at(r0, R, r0, b);
@@ -250,7 +291,10 @@ void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t
 #pragma GCC unroll 8
             for (int j = s * kPer; j < (s + 1) * kPer; ++j) {
                 I wj[kV];
-                for (int c = 0; c < kV; ++c) wj[c] = Q8Isa::load(w + 64 * j + 32 * c);
+                if constexpr (kDirect)
+                    quad_weights(w + scales_bytes, kInt8, j, wj);
+                else
+                    for (int c = 0; c < kV; ++c) wj[c] = Q8Isa::load(w + 64 * j + 32 * c);
                 for (int r = 0; r < R; ++r) {
                     int32_t four;
                     std::memcpy(&four, xb + kBlock * r + 4 * j, 4);
@@ -288,12 +332,13 @@ void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t
     store_rows<R>(a, total, tile, r0);
 }
 
-template <int R>
+template <int R, bool kDirect = false>
 void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
-    if (!a.kind.int8()) group_q8_simd<R, false, 1>(a, x, panel, tile, r0);
-    else if (!a.kind.halves()) group_q8_simd<R, true, 1>(a, x, panel, tile, r0);
-    else group_q8_simd<R, true, 2>(a, x, panel, tile, r0);
+    if (!a.kind.int8()) group_q8_simd<R, false, 1, kDirect>(a, x, panel, tile, r0);
+    else if (!a.kind.halves()) group_q8_simd<R, true, 1, kDirect>(a, x, panel, tile, r0);
+    else group_q8_simd<R, true, 2, kDirect>(a, x, panel, tile, r0);
 }
+constexpr bool kQ8Direct = true;
 #else
 // The portable build: the block's P (P0 and P1 for two scales) for R rows, then the header's arithmetic.
 template <int R>
@@ -317,8 +362,9 @@ inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, in
     }
 }
 
-template <int R>
+template <int R, bool kDirect = false>
 void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
+    static_assert(!kDirect, "the portable panel is no reordering of the records (kQ8Direct)");
     VF total[R];
     for (int r = 0; r < R; ++r) total[r] = vzero();
     const bool halves = a.kind.halves(), min = a.kind.min();
@@ -337,6 +383,7 @@ void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile
     }
     store_rows<R>(a, total, tile, r0);
 }
+constexpr bool kQ8Direct = false;  // its panel is [input][column], not a reordering of the records' bytes
 #endif
 
 // The threads quantize the rows together, then share out the tiles (runs of neighbouring tiles, as the float
@@ -356,19 +403,28 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
                 quantize_row(x + r * x_stride, q, groups.first(g), groups.rows(g), r);
         // (past the omp for's barrier: every row is quantized)
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        // A thread's tile of unpacked blocks, kept across calls as the float path's panels are (kQ8Block is
-        // 10 VF-sized, 64-byte units)
-        static thread_local Panel storage;
-        uint8_t* panel = reinterpret_cast<uint8_t*>(storage.resize(blocks * kQ8Block / sizeof(VF)));
-        for (int64_t t = tiles * me / team; t < tiles * (me + 1) / team; ++t) {
-            const uint8_t* rec = w + t * blocks * bytes;
-            for (int64_t b = 0; b < blocks; ++b) {
-                prefetch_record(rec + b * bytes, a.kind);
-                unpack_q8(rec + b * bytes, a.kind, panel + b * kQ8Block);
-            }
-            for (int64_t g = 0; g < groups.count; ++g) {
-                const int64_t r0 = groups.first(g);
-                with_rows<1, kQ8Rows>(groups.rows(g), [&](auto R) { group_q8<R.value>(a, q, panel, t, r0); });
+        if (kQ8Direct && groups.count == 1) {
+            // One row group: each record is read once, straight (group_q8_simd's kDirect). A Zen 1 EPYC, 2 threads,
+            // quant_q8_bench's one-row Q4_1 linears: 0.24-0.29 -> 0.21 ms, the same bits.
+            for (int64_t t = tiles * me / team; t < tiles * (me + 1) / team; ++t)
+                with_rows<1, kQ8Rows>(groups.rows(0), [&](auto R) {
+                    group_q8<R.value, kQ8Direct>(a, q, w + t * blocks * bytes, t, 0);
+                });
+        } else {
+            // A thread's tile of unpacked blocks, kept across calls as the float path's panels are (kQ8Block is
+            // 10 VF-sized, 64-byte units)
+            static thread_local Panel storage;
+            uint8_t* panel = reinterpret_cast<uint8_t*>(storage.resize(blocks * kQ8Block / sizeof(VF)));
+            for (int64_t t = tiles * me / team; t < tiles * (me + 1) / team; ++t) {
+                const uint8_t* rec = w + t * blocks * bytes;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    prefetch_record(rec + b * bytes, a.kind);
+                    unpack_q8(rec + b * bytes, a.kind, panel + b * kQ8Block);
+                }
+                for (int64_t g = 0; g < groups.count; ++g) {
+                    const int64_t r0 = groups.first(g);
+                    with_rows<1, kQ8Rows>(groups.rows(g), [&](auto R) { group_q8<R.value>(a, q, panel, t, r0); });
+                }
             }
         }
     }
