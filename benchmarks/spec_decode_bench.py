@@ -168,6 +168,8 @@ async def main_async(args: argparse.Namespace) -> None:
         max_num_seqs=max(levels),
         enable_prefix_caching=False,  # every round recomputes its prompts: decode is what is measured
         threads=args.threads,
+        quantize_activations=args.quantize_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     spec = SpeculativeConfig.from_json(args.spec)
     counters = {"off": Steps(), "on": Steps()}
@@ -240,6 +242,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantize-activations", default="none", choices=("none", "q8"), help="as brine serve's")
+    p.add_argument("--kv-cache-dtype", default="auto", help="as brine serve's (auto, float16)")
     asyncio.run(main_async(p.parse_args()))
 
 
