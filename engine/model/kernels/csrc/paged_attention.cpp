@@ -1116,11 +1116,11 @@ void key_unit_scores(const Args& a, const KeyUnit& u, int part, int b0, int b1, 
     const VF lane = vload(iota);
     const int64_t stride = static_cast<int64_t>(a.kv_heads) * D;
     const auto prefetch = [&](int b) { prefetch_kv_block<E>(a, a.k_cache, ik.table, b, u.kvh, D); };
+    const bool direct = R <= kKeyRowGroup;  // one row group: key_scores_direct, no transposed copy
     for (int b = b0; b < std::min(b1, b0 + kLanePrefetch); ++b) prefetch(b);
     for (int b = b0; b < b1; ++b) {
         if (b + kLanePrefetch < b1) prefetch(b + kLanePrefetch);
         const E* kb = kv_block<E>(a, a.k_cache, ik.table, b, u.kvh, D);
-        const bool direct = R <= kKeyRowGroup;
         if (!direct) transpose_keys<D>(kb, stride, kt);
         const VF pos = vadd(lane, vset1(static_cast<float>(BS * b)));
         for (int r0 = 0; r0 < R; r0 += kKeyRowGroup)

@@ -116,54 +116,13 @@ inline void quantize_row(const T* x, const Q8Rows& out, int64_t r0, int64_t rows
     }
 }
 
-// One record into a kQ8Block. 4-bit: input 2p + e of column 4 L + c is nibble (p % 4) / 2 of byte 64 (p / 4) +
-// 8 (p % 2) + 16 L + 2 c + e; int8: byte 32 p + 2 c + e (quant_linear.cpp's header).
-inline void unpack_q8(const uint8_t* rec, Kind kind, uint8_t* out) {
+// A record's d and m (or d0 and d1) as a panel holds them, 16 float32 each: a kQ8Block's tail, or group_q8_simd's
+// kDirect copy of them.
+inline void unpack_scales(const uint8_t* rec, Kind kind, float* out) {
     VF dm[2];
     load_scales(rec, kind, dm);
-    vstore(reinterpret_cast<float*>(out + kQ8Scales), dm[0]);
-    vstore(reinterpret_cast<float*>(out + kQ8Scales) + kTile, dm[1]);
-    const uint8_t* qs = rec + kind.scales_bytes();
-#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
-    if (!kind.int8()) {
-        // A 64-byte chunk j holds inputs 8j .. 8j + 7; in each 16-byte lane (4 columns), bytes 2c, 2c + 1, 8 + 2c,
-        // 9 + 2c are column c's inputs 8j .. 8j + 3 (low nibbles) and 8j + 4 .. 8j + 7 (high nibbles).
-        const __m256i order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3,
-                                               10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-        const __m256i low4 = _mm256_set1_epi8(0x0f);
-        for (int j = 0; j < 4; ++j)
-            for (int s = 0; s < 2; ++s) {  // columns 0-7, then 8-15
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * s));
-                const __m256i lo = _mm256_shuffle_epi8(_mm256_and_si256(v, low4), order);
-                const __m256i hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), order);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * (2 * j) + 32 * s), lo);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * (2 * j + 1) + 32 * s), hi);
-            }
-        return;
-    }
-    for (int j = 0; j < kQuads; ++j) {  // pairs 2j and 2j + 1: their 16-bit (q, q) words interleaved per column
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32));
-        const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);  // columns 0-3 8-11, 4-7 12-15
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * j), _mm256_permute2x128_si256(lo, hi, 0x20));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * j + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
-    }
-#else
-    // The portable build's own order, [input][column]: its plain loops then run over 16 adjacent columns.
-    for (int i = 0; i < kBlock; ++i) {
-        const int p = i / 2, e = i % 2;
-        for (int c = 0; c < kTile; ++c) {
-            uint8_t v;
-            if (kind.int8()) {
-                v = qs[32 * p + 2 * c + e];
-            } else {
-                const uint8_t byte = qs[64 * (p / 4) + 8 * (p % 2) + 16 * (c / 4) + 2 * (c % 4) + e];
-                v = static_cast<uint8_t>((byte >> (4 * ((p % 4) / 2))) & 0x0f);
-            }
-            out[i * kTile + c] = v;
-        }
-    }
-#endif
+    vstore(out, dm[0]);
+    vstore(out + kTile, dm[1]);
 }
 
 #if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
@@ -177,6 +136,7 @@ struct Q8Isa {  // one zmm: the tile's 16 columns
     static constexpr int kVecs = 1;
     static I zero() { return _mm512_setzero_si512(); }
     static I load(const uint8_t* p) { return _mm512_load_si512(p); }
+    static void store(uint8_t* p, I v) { _mm512_store_si512(p, v); }
     static I broadcast(int32_t four) { return _mm512_set1_epi32(four); }
 #if defined(__AVX512VNNI__)
     static constexpr bool kWide = true;  // vpdpbusd: int32 sums directly
@@ -210,6 +170,7 @@ struct Q8Isa {  // two ymm: columns 0-7, then 8-15
     static constexpr bool kWide = false;
     static I zero() { return _mm256_setzero_si256(); }
     static I load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+    static void store(uint8_t* p, I v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
     static I broadcast(int32_t four) { return _mm256_set1_epi32(four); }
     static I u4(I acc, I w, I x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
     static I s8(I acc, I w, I x) {
@@ -226,8 +187,11 @@ struct Q8Isa {  // two ymm: columns 0-7, then 8-15
 };
 #endif
 
-// Quad j of a record's q as the dot products take it: the vectors unpack_q8 stores at 64 j (+ 32 per ymm), made
-// in registers (quads 2i and 2i + 1 of a 4-bit record are the low and high nibbles of its 64-byte chunk i).
+// Quad j of a record's q as the dot products take it, in registers: unpack_q8 stores them into a panel at 64 j (+ 32
+// per ymm), group_q8_simd's kDirect uses them as made. Quads 2i and 2i + 1 of a 4-bit record are the low and high
+// nibbles of its 64-byte chunk i: in each 16-byte lane (4 columns), bytes 2c, 2c + 1, 8 + 2c, 9 + 2c are column c's
+// inputs 8i .. 8i + 3 (low nibbles) and 8i + 4 .. 8i + 7 (high nibbles). An int8 record's pairs 2j and 2j + 1 have
+// their 16-bit (q, q) words interleaved per column.
 inline void quad_weights(const uint8_t* qs, bool int8, int j, Q8Isa::I* wj) {
     __m256i half[2];
     if (!int8) {
@@ -275,10 +239,7 @@ void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t
         const float* scales = reinterpret_cast<const float*>(w + kQ8Scales);
         if constexpr (kDirect) {
             prefetch_record(w, a.kind);
-            VF dm[2];
-            load_scales(w, a.kind, dm);
-            vstore(direct_scales, dm[0]);
-            vstore(direct_scales + kTile, dm[1]);
+            unpack_scales(w, a.kind, direct_scales);
             scales = direct_scales;
         }
         const int8_t* xb = x.q + x.at(r0, R, r0, b) * kBlock;  // row r0 + r's block: xb + 32 r
@@ -385,6 +346,35 @@ void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile
 }
 constexpr bool kQ8Direct = false;  // its panel is [input][column], not a reordering of the records' bytes
 #endif
+
+// One record into a kQ8Block. 4-bit: input 2p + e of column 4 L + c is nibble (p % 4) / 2 of byte 64 (p / 4) +
+// 8 (p % 2) + 16 L + 2 c + e; int8: byte 32 p + 2 c + e (quant_linear.cpp's header).
+inline void unpack_q8(const uint8_t* rec, Kind kind, uint8_t* out) {
+    unpack_scales(rec, kind, reinterpret_cast<float*>(out + kQ8Scales));
+    const uint8_t* qs = rec + kind.scales_bytes();
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+    for (int j = 0; j < kQuads; ++j) {
+        Q8Isa::I wj[Q8Isa::kVecs];
+        quad_weights(qs, kind.int8(), j, wj);
+        for (int c = 0; c < Q8Isa::kVecs; ++c) Q8Isa::store(out + 64 * j + 32 * c, wj[c]);
+    }
+#else
+    // The portable build's own order, [input][column]: its plain loops then run over 16 adjacent columns.
+    for (int i = 0; i < kBlock; ++i) {
+        const int p = i / 2, e = i % 2;
+        for (int c = 0; c < kTile; ++c) {
+            uint8_t v;
+            if (kind.int8()) {
+                v = qs[32 * p + 2 * c + e];
+            } else {
+                const uint8_t byte = qs[64 * (p / 4) + 8 * (p % 2) + 16 * (c / 4) + 2 * (c % 4) + e];
+                v = static_cast<uint8_t>((byte >> (4 * ((p % 4) / 2))) & 0x0f);
+            }
+            out[i * kTile + c] = v;
+        }
+    }
+#endif
+}
 
 // The threads quantize the rows together, then share out the tiles (runs of neighbouring tiles, as the float
 // path does); each unpacks a tile's records once and runs every row group over them.
