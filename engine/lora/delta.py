@@ -2,7 +2,7 @@
 
 Batch invariance (DESIGN.md) asks that a row's delta not depend on how many rows share the product. On CPU
 both products run on oneDNN's packed float32 kernel (`engine.model.layers.linear`'s, on weights reordered once), padded to the
-row multiple that `layers.linear.probe_row_multiple` measures for the shape on this machine, strictly: the same
+row rule that `layers.linear.probe_row_rule` measures for the shape on this machine, strictly: the same
 kernel and probe the base model's dense linears rely on. Elsewhere (CUDA, or a CPU build without packed kernels) they are
 plain float32 matmuls on the device.
 
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.kernels.invariance import PROBE_ROWS, pad_rows
-from engine.model.layers.linear import packing_supported, probe_row_multiple
+from engine.model.kernels.invariance import PROBE_ROWS, RowRule
+from engine.model.layers.linear import packing_supported, probe_row_rule
 
 
 class TargetDelta(nn.Module):
@@ -29,9 +29,9 @@ class TargetDelta(nn.Module):
         super().__init__()
         self.packed = packing_supported(device, torch.float32)
         if self.packed:
-            # Both products on packed weights, the rows padded once to the larger of their multiples (both
-            # powers of two): the zero pad rows stay zero through both and are cut once at the end.
-            self.multiple = max(_multiple(a, batch_invariant), _multiple(b_scaled, batch_invariant))
+            # Both products on packed weights, under a rule both accept (the larger multiple, the smaller cap):
+            # the zero pad rows stay zero through both and are cut once at the end.
+            self.rows = _rule(a, batch_invariant).and_(_rule(b_scaled, batch_invariant))
             self.down = torch.ops.mkldnn._reorder_linear_weight(a.contiguous(), 1)  # [r, in]
             self.up = torch.ops.mkldnn._reorder_linear_weight(b_scaled.contiguous(), 1)  # [out, r]
         else:
@@ -41,10 +41,10 @@ class TargetDelta(nn.Module):
         x = x.float()
         if not self.packed:
             return F.linear(F.linear(x, self.a), self.b)
-        m = x.shape[0]
-        u = _linear(pad_rows(x.contiguous(), self.multiple), self.down, None)
-        d = _linear(u, self.up, None)
-        return d if d.shape[0] == m else d[:m]
+        return self.rows.apply(self._products, x.contiguous())
+
+    def _products(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(_linear(x, self.down, None), self.up, None)
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: None) -> torch.Tensor:
@@ -52,6 +52,6 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _multiple(weight: torch.Tensor, batch_invariant: bool) -> int:
+def _rule(weight: torch.Tensor, batch_invariant: bool) -> RowRule:
     out_f, in_f = weight.shape
-    return probe_row_multiple(in_f, out_f, torch.float32, PROBE_ROWS[-1]) if batch_invariant else 1
+    return probe_row_rule(in_f, out_f, torch.float32, PROBE_ROWS[-1]) if batch_invariant else RowRule()

@@ -17,7 +17,7 @@ from engine.model.attention.base import AttentionMetadata
 from engine.model.attention.tiled import KV_TILE, TiledBackend, tree_sum
 from engine.model.kernels.invariance import isa_summary
 from engine.model.layers.activation import silu
-from engine.model.layers.linear import PackedLinear, packing_supported, probe_row_multiple
+from engine.model.layers.linear import PackedLinear, packing_supported, probe_row_rule
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -38,7 +38,7 @@ def test_a_linear_rows_bits_do_not_depend_on_the_row_count(shape, dtype):
     g = torch.Generator().manual_seed(1)
     weight = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).to(dtype)
     bias = torch.randn(out_f, generator=g).to(dtype)
-    layer = PackedLinear(weight, bias, probe_row_multiple(in_f, out_f, dtype, 300))
+    layer = PackedLinear(weight, bias, probe_row_rule(in_f, out_f, dtype, 300))
     x = torch.randn(700, in_f, generator=g).to(dtype)
     with torch.inference_mode():
         ref = layer(x)
@@ -49,7 +49,7 @@ def test_a_linear_rows_bits_do_not_depend_on_the_row_count(shape, dtype):
             got = layer(x[start : start + m])
             assert torch.equal(got, ref[start : start + m]), (
                 f"{m} rows at offset {start} differ from the same rows in 700 ({isa_summary()}, "
-                f"row multiple {layer.row_multiple})"
+                f"rows fed as {layer.rows})"
             )
 
 

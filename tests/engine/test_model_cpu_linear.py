@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.model.kernels import invariance
-from engine.model.kernels.invariance import row_multiple
+from engine.model.kernels.invariance import RowRule, row_multiple, row_rule
 from engine.model.layers.linear import PackedLinear, packing_supported
 from engine.model.loading.loader import load_model
 
@@ -95,6 +95,32 @@ def test_the_probe_finds_the_row_multiple_a_kernel_needs():
 
     assert row_multiple(lambda x: x * 3, rows, "exact") == 1
     assert row_multiple(pads_to_four, rows, "needs 4") == 4
+
+
+def test_where_no_multiple_helps_the_probe_caps_the_rows_per_call():
+    """oneDNN's AMX bfloat16 linear with K = 1,536 sums K in another order for a band of row counts (150-256
+    at two threads): no padding multiple avoids every such count, a cap of 128 rows a call does. The probe
+    finds the cap, with the padding odd counts need on top; calls under the rule keep every row's bits."""
+    rows = torch.randn(400, 8)
+
+    def banded(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        return x * 3 + (1e-3 if 150 <= m <= 256 or m % 2 else 0.0)
+
+    assert row_multiple(lambda x: x * 3 + (1e-3 if 150 <= x.shape[0] <= 256 else 0.0), rows, "band") == 16
+    rule = row_rule(banded, rows, "band and odd")
+    assert rule == RowRule(2, 128)
+    ref = rule.apply(banded, rows)
+    assert torch.equal(ref, rows * 3)
+    for start, m in [(0, 1), (3, 151), (7, 255), (1, 129), (0, 399)]:
+        assert torch.equal(rule.apply(banded, rows[start : start + m]), ref[start : start + m])
+
+
+def test_a_row_rule_needs_a_cap_its_multiple_divides():
+    with pytest.raises(ValueError, match="multiple"):
+        RowRule(16, 24)
+    assert RowRule(2, 128).and_(RowRule(4)) == RowRule(4, 128)
+    assert RowRule(1).and_(RowRule(1, 64)).and_(RowRule(2, 128)) == RowRule(2, 64)
 
 
 def test_the_probe_sees_a_summation_order_through_bfloat16_rounding():

@@ -8,7 +8,8 @@ bfloat16 decode step clearly faster (benchmarks/decode_bench.py --baseline measu
 Invariance: a row's result must not depend on how many rows share the product (see `invariance`). The packed
 oneDNN kernels have that property once tiny products are padded to a few rows, in bfloat16 and float32 alike,
 while float32 `F.linear` (MKL) does not have it at all: so both dtypes run packed, and each layer pads its
-rows to the multiple that `invariance.row_multiple` measured for its shape on this machine. Packed results
+rows as `invariance.row_rule` measured for its shape on this machine (a row multiple; on an AMX Xeon, for
+some shapes, a cap on the rows per call too). Packed results
 differ from `F.linear`'s in the last bits (another accumulation order); both agree with transformers within
 the model tests' tolerance.
 
@@ -33,7 +34,7 @@ import functools
 import torch
 from torch import nn
 
-from engine.model.kernels.invariance import pad_rows, row_multiple, sensitize
+from engine.model.kernels.invariance import RowRule, row_rule, sensitize
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 # The output head is probed on fewer rows (it is 49152 x 576 for the default model): it runs one row per
@@ -69,12 +70,13 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held packed; a drop-in for an `nn.Linear` at inference, on a flat [M, in] input.
 
-    `row_multiple`: inputs are padded with zero rows to a multiple of it (1 = never), so that every row
-    gets the bits it would get in any other batch (see `invariance`). A bfloat16 weight computes in
-    `compute_dtype(bfloat16)`: float32 on CPUs without native bfloat16 (the output is still bfloat16).
+    `rows`: how inputs are fed to the kernel (padded with zero rows to a multiple, in calls of at most a cap),
+    so that every row gets the bits it would get in any other batch (see `invariance`); the default calls it
+    once on the rows as they are. A bfloat16 weight computes in `compute_dtype(bfloat16)`: float32 on CPUs
+    without native bfloat16 (the output is still bfloat16).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_multiple: int = 1) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: RowRule | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype, self.compute = weight.dtype, compute_dtype(weight.dtype)
@@ -82,30 +84,35 @@ class PackedLinear(nn.Module):
         w = weight.detach().to(self.compute).contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         self.bias = None if bias is None else bias.detach().to(self.compute).contiguous()
-        self.row_multiple = row_multiple
+        self.rows = rows or RowRule()
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.packed, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        m = x.shape[0]
-        y = _linear(pad_rows(x.to(self.compute).contiguous(), self.row_multiple), self.packed, self.bias)
-        y = y if y.shape[0] == m else y[:m]
+        y = self.rows.apply(self._product, x.to(self.compute).contiguous())
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         via = "" if self.compute == self.dtype else f", computed in {self.compute}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed{via}, rows%{self.row_multiple}"
+        cap = "" if self.rows.cap is None else f", <= {self.rows.cap} rows a call"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packed{via}, "
+            f"rows%{self.rows.multiple}{cap}"
+        )
 
 
 @functools.cache
-def probe_row_multiple(in_features: int, out_features: int, dtype: torch.dtype, max_rows: int) -> int:
-    """The row multiple that makes a packed [out, in] linear batch-invariant here (cached per shape); probed
-    in the dtype the layer computes in (compute_dtype)."""
+def probe_row_rule(in_features: int, out_features: int, dtype: torch.dtype, max_rows: int) -> RowRule:
+    """How a packed [out, in] linear's rows are fed so that it is batch-invariant here (cached per shape);
+    probed in the dtype the layer computes in (compute_dtype). NotInvariantError where no rule holds."""
     dtype = compute_dtype(dtype)
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=g) * in_features**-0.5
     weight, rows = sensitize(weight, torch.randn(max_rows + 8, in_features, generator=g))
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), 1)
     rows = rows.to(dtype)
-    return row_multiple(
+    return row_rule(
         lambda x: _linear(x.contiguous(), packed, None),
         rows,
         f"packed {dtype} linear {in_features}->{out_features}",

@@ -6,7 +6,7 @@ builds its linears as dense `nn.Linear`s (the weights load into them by name), t
 plan for each one (`finish`, by its name: 'layers.3.self_attn.qkv_proj', 'lm_head') and keeps what it gets:
 
 - a `QuantLinear` on the GGUF's blocks as stored, where the plan holds its parts (`quantized`);
-- else a `PackedLinear` on weights packed for oneDNN, padded to its shape's probed row multiple (`pack`);
+- else a `PackedLinear` on weights packed for oneDNN, its rows fed as its shape's probe says (`pack`);
 - else the dense layer as it is.
 
 So nothing outside the model replaces a module of it: the model applies its own plan. A tied head (the
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from engine.model.kernels.build import Kernels
-from engine.model.kernels.invariance import PROBE_ROWS
-from engine.model.layers.linear import HEAD_PROBE_ROWS, PackedLinear, probe_row_multiple
+from engine.model.kernels.invariance import PROBE_ROWS, RowRule
+from engine.model.layers.linear import HEAD_PROBE_ROWS, PackedLinear, probe_row_rule
 from engine.model.layers.quant_linear import QuantLinear
 
 HEAD = "lm_head"  # the output head's name in a plan; it is probed on fewer rows (HEAD_PROBE_ROWS)
@@ -67,5 +67,5 @@ class LinearPlan:
             return dense
         out_f, in_f = weight.shape
         rows = HEAD_PROBE_ROWS if name == HEAD else PROBE_ROWS[-1]
-        multiple = probe_row_multiple(in_f, out_f, weight.dtype, rows) if self.probe else 1
-        return PackedLinear(weight, bias, multiple)
+        rule = probe_row_rule(in_f, out_f, weight.dtype, rows) if self.probe else RowRule()
+        return PackedLinear(weight, bias, rule)
