@@ -28,9 +28,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX, unless BRINE_CPU_TIER makes Brine run as on a lower tier (kernels.build)."""
+    """AVX512-BF16 or AMX, unless BRINE_CPU_TIER makes Brine run as on a tier without them (kernels.build)."""
     try:
-        if selected_tier() is not None:
+        tier = selected_tier()
+        if tier is not None and "bf16" not in tier:
             return False
     except ValueError:  # an unknown tier: the kernels' load() reports it
         pass

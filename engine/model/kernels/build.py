@@ -16,8 +16,9 @@ pure-torch path (the log says which one runs).
 Tiers (csrc/simd.h): the same sources build for every CPU. `-march=native` picks this CPU's tier (AVX512-BF16,
 AVX512 without BF16, AVX2 + FMA, or the portable one with no intrinsics), and `TIERS` names explicit lower
 targets, so that any machine can build and test the tiers below its own (tests/engine/test_kernel_tiers.py).
-`BRINE_CPU_TIER=avx512|avx2|portable` makes Brine run as on such a CPU: the kernels are built for that target,
-and bfloat16 counts as not native (device.cpu_has_native_bf16), as on a CPU without AVX512-BF16.
+`BRINE_CPU_TIER=avx512-bf16|avx512|avx2|portable` makes Brine run as on such a CPU: the kernels are built for
+that target, and below AVX512-BF16 bfloat16 counts as not native (device.cpu_has_native_bf16), as on a CPU
+without it. (avx512-bf16 is offered only on an AMX CPU: the same build without the tiles.)
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 # The portable build's sources use no intrinsics at all (simd.h's loops): on x86 it is built for x86-64-v2 with
 # fused multiply-add, as the ARM64 CPUs it stands for have it (std::fma is then an instruction, not a call into
 # libm, which would make the test runs slow, not different).
+# The AVX512-BF16 build without AMX is a lower tier only on an AMX CPU, whose own build takes tiles: hence its
+# need for amx_tile, which it does not use. On a Zen 4 or Zen 5 it is the native build, not built twice.
+V4 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 TIERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "avx512": (("-march=x86-64-v4",), frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16"), V4 | {"avx512_bf16", "amx_tile"}),
+    "avx512": (("-march=x86-64-v4",), V4),
     "avx2": (("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),
     "portable": (("-march=x86-64-v2", "-mfma") if _X86 else (), frozenset({"fma", "sse4_2"} if _X86 else ())),
 }
@@ -99,7 +104,8 @@ class Kernels:
     elementwise: Elementwise | None = None
     # The decoder layers in one call (see native_stack); None where the kernels it chains are missing.
     decoder_stack: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-    # What the library was compiled for: "avx512-bf16", "avx512", "avx2" or "portable" (csrc/simd.h).
+    # What the library was compiled for: "amx-bf16" (AVX512-BF16 with AMX, granted), "avx512-bf16", "avx512",
+    # "avx2" or "portable" (csrc/simd.h, quant_linear.cpp).
     tier: str = "unknown"
 
 
@@ -227,6 +233,7 @@ def _bind(path: Path) -> Kernels:
 
 
 _TIER_WORDS = {
+    "amx-bf16": "amx-bf16 (avx512-bf16, with AMX tiles for the bfloat16 linears)",
     "avx512-bf16": "avx512-bf16",
     "avx512": "avx512 (no bf16)",
     "avx2": "avx2+fma",
