@@ -47,6 +47,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCE_NAMES = ("paged_attention.cpp", "quant_linear.cpp", "elementwise.cpp", "decoder_stack.cpp")
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 HEADERS = (
+    CSRC / "amx.h",
     CSRC / "dtypes.h",
     CSRC / "simd.h",
     CSRC / "quant_q8.h",

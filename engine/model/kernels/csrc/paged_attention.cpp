@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "dtypes.h"
 #include "simd.h"
 
@@ -142,6 +143,9 @@ inline void transpose16x16(__m512i m[16]) {
 // the same prefetches from a helper function measured 1.2-1.7x slower.
 constexpr int kPrefetchBlocks = 16;
 constexpr int kRowBlock = 4;    // rows whose scores are computed together: independent FMA chains, same bits
+// The bfloat16 path's dot products on AMX tiles (Bf16Work's tile_scores and tile_values), where the build has them
+// and the kernel grants them (amx.h): every call or none.
+const bool kAmx = brine::amx::on();
 constexpr int kMaxBlock = 256;  // largest block size and head_dim of the generic instantiation
 constexpr int kMaxDim = 512;
 
@@ -458,12 +462,14 @@ struct Bf16Work {
     std::vector<float> acc;        // [R][DC] weighted sums of values; a chunk's 32 columns in unpack order
     std::vector<float> mx;         // [R][16] max per key lane, then each row's max in lane 0
     std::vector<float> ls;         // [R][16] sums of weights per key lane
+    std::vector<uint32_t> wt;      // AMX: [RP][8] one block's weight pairs, every row (0 where it sees none)
 
     // Takes (item, KV head) on, reusing the vectors' memory from the last one.
     void reset(const Args& a, int64_t item, int kvh_) {
         ik = ItemKeys(a, item, 16);
         kvh = kvh_, G = a.heads / a.kv_heads, R = ik.ntok * G;
-        RP = (R + kRowBlock - 1) / kRowBlock * kRowBlock, span = (ik.b_hi - ik.b_lo) * 16;
+        const int rows_at_once = kAmx ? 16 : kRowBlock;  // AMX: whole tiles of rows
+        RP = (R + rows_at_once - 1) / rows_at_once * rows_at_once, span = (ik.b_hi - ik.b_lo) * 16;
         qpairs.assign(static_cast<size_t>(RP) * DC / 2, 0u);
         for (int t = 0; t < ik.ntok; ++t)
             for (int g = 0; g < G; ++g) {
@@ -472,12 +478,72 @@ struct Bf16Work {
                             static_cast<const uint16_t*>(a.q) + qo, DC * 2);
             }
         sc.resize(static_cast<size_t>(RP) * span);
-        acc.assign(static_cast<size_t>(R) * DC, 0.0f);
+        acc.assign(static_cast<size_t>(RP) * DC, 0.0f);
         mx.assign(static_cast<size_t>(R) * 16, -INFINITY);
         ls.assign(static_cast<size_t>(R) * 16, 0.0f);
     }
 
     int64_t base(const Args& a, int b) const { return (static_cast<int64_t>(ik.table[b]) * 16 * a.kv_heads + kvh) * DC; }
+
+#if defined(BRINE_SIMD_AMX)
+    // On AMX (amx.h), every call alike. Tiles: 0, 1, 2 the scores' C (16 rows x 16 keys), A (16 rows x 16 query
+    // pairs), B (16 pairs x 16 keys); 3, 4, 5 the values' C (16 rows x 16 of the output's dimensions), A (16 rows
+    // x 8 weight pairs), B (8 key pairs x 16 dimensions).
+    static brine::amx::Config tile_shapes() {
+        brine::amx::Config c;
+        c.shape(0, 16, 64), c.shape(1, 16, 64), c.shape(2, 16, 64);
+        c.shape(3, 16, 64), c.shape(4, 16, 32), c.shape(5, 8, 64);
+        return c;
+    }
+
+    // The scores of nb blocks (their keys' pairs in kpairs, as transposed for bf16_score_rows) for all RP rows:
+    // per 16 rows and block, C = the dot products over the dimensions in chunks of 32, in order; times the
+    // scale into out (sc at the first block's column).
+    void tile_scores(const Args& a, const uint32_t* kpairs, int nb, float* out) const {
+        const __m512 vscale = _mm512_set1_ps(a.scale);
+        for (int r0 = 0; r0 < RP; r0 += 16)
+            for (int k = 0; k < nb; ++k) {
+                float* o = out + int64_t{r0} * span + 16 * k;
+                _tile_zero(0);
+                for (int c = 0; c < DC / 32; ++c) {
+                    _tile_loadd(1, qpairs.data() + (r0 * DC / 2 + 16 * c), DC * 2);
+                    _tile_loadd(2, kpairs + (k * DC / 2 + 16 * c) * 16, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, o, span * 4);
+                for (int r = 0; r < 16 && r0 + r < R; ++r)
+                    _mm512_storeu_ps(o + r * span, _mm512_mul_ps(_mm512_loadu_ps(o + r * span), vscale));
+            }
+    }
+
+    // Block b's weights x values for all RP rows: each row's weight pairs as values() makes them (a row that
+    // sees none of the block's keys gets zeros, which add +0 to its sums: the bits of skipping it), then per
+    // 16 rows and 16 output dimensions, C = the row's sums += the pairs' products in order.
+    void tile_values(const Args& a, int b, const __m512i* vpairs) {
+        constexpr int NC = DC / 32;
+        wt.assign(static_cast<size_t>(RP) * 8, 0u);
+        for (int t = 0; t < ik.ntok; ++t) {
+            int vlo, vhi;
+            ik.visible(a, t, b, 16, vlo, vhi);
+            if (vhi <= vlo) continue;
+            for (int g = 0; g < G; ++g) {
+                const int r = t * G + g;
+                bf16_weights(sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16, mx[r * 16], vlo, vhi,
+                             ls.data() + r * 16, wt.data() + r * 8);
+            }
+        }
+        for (int r0 = 0; r0 < RP; r0 += 16) {
+            _tile_loadd(4, wt.data() + r0 * 8, 32);
+            for (int i = 0; i < 2 * NC; ++i) {
+                float* o = acc.data() + int64_t{r0} * DC + 16 * i;
+                _tile_loadd(3, o, DC * 4);
+                _tile_loadd(5, vpairs + i, 2 * NC * 64);
+                _tile_dpbf16ps(3, 4, 5);
+                _tile_stored(3, o, DC * 4);
+            }
+        }
+    }
+#endif
 
     // Pass 1: scores, two blocks at a time, then each row's max per lane, then per row.
     void scores(const Args& a) {
@@ -513,6 +579,12 @@ struct Bf16Work {
             float* out = sc.data() + (b - ik.b_lo) * 16;
             const uint32_t* qp = qpairs.data();
             int r0 = 0;
+#if defined(BRINE_SIMD_AMX)
+            if (kAmx) {
+                tile_scores(a, kpairs, nb, out);
+                continue;
+            }
+#endif
             if (nb == 2) {
                 for (; r0 + 8 <= RP; r0 += 8)
                     bf16_score_rows<8, 2, DC>(qp + r0 * DC / 2, kpairs, out + int64_t{r0} * span, span, vscale);
@@ -574,6 +646,12 @@ struct Bf16Work {
                     vpairs[jp * 2 * NC + 2 * c] = _mm512_unpacklo_epi16(v0, v1);
                     vpairs[jp * 2 * NC + 2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
                 }
+#if defined(BRINE_SIMD_AMX)
+            if (kAmx) {
+                tile_values(a, b, vpairs);
+                continue;
+            }
+#endif
             float* group[4];
             alignas(32) uint32_t w[4][8];
             int n = 0;
@@ -623,6 +701,10 @@ void run_bf16_items(const Args& a, int threads) {
     const int64_t work = a.num_items * a.kv_heads;
 #pragma omp parallel num_threads(threads)
     {
+#if defined(BRINE_SIMD_AMX)
+        const auto shapes = Bf16Work<DC>::tile_shapes();
+        const brine::amx::Scope tiles_on(kAmx ? &shapes : nullptr);
+#endif
         Bf16Work<DC> w;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < work; ++u) {

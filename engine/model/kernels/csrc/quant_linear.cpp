@@ -35,10 +35,6 @@
 // bits do not depend on the batch, its position in it, or the thread count.
 
 #include <omp.h>
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <cstdint>
 #include <cstring>
@@ -46,6 +42,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "dtypes.h"
 #include "simd.h"
 
@@ -278,57 +275,24 @@ inline void unpack_bf16(const uint8_t* qs, __m512i* pv) {
 // is its own chain over the 16 pairs of its row and column, in order, whatever else the tile holds, so a row's
 // bits depend on nothing but itself: the same for one row (a decode) as among 2,000. Rows past a group's end
 // are read (whatever follows them: packed() leaves room) and their C rows ignored. Where AMX is compiled in
-// and the kernel grants it, every bfloat16 call takes this path, or none does (kAmx).
-namespace amx {
+// and the kernel grants it, every bfloat16 call takes this path, or none does (kAmx; amx.h).
+//
 // The tiles, by number (GCC's tile intrinsics paste their argument into the instruction: a literal only):
 // 0, 1, 2 and 3, 4, 5: two sets of a whole block's C (rows x 16), A (rows x 32 inputs), B (16 pairs x 16
 // columns); 6, 7: half a block's A (rows x 16 inputs) and B (8 pairs x 16 columns), for two-scale records.
-
-struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Linux gives a process AMX's tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA, Linux 5.16+); a tile instruction without it is a SIGILL.
-inline bool granted() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-
-// This thread's tile shapes, loaded at each call and released after it: oneDNN's AMX kernels run on the same
-// OpenMP threads with their own shapes. A and C get `rows` rows, the call's largest group: a tile instruction
-// takes about a cycle per row, and a decode's one row in 16-row tiles made the one-row linears 1.2x slower
-// than vdpbf16ps (rows past a group's own are computed and ignored, as ever).
-struct Scope {
-    Scope(bool on, int rows) : on_(on) {
-        if (!on_) return;
-        Config c;
-        const auto shape = [&](int t, int r, int colsb) { c.rows[t] = static_cast<uint8_t>(r), c.colsb[t] = static_cast<uint16_t>(colsb); };
-        shape(0, rows, 64), shape(1, rows, 64), shape(2, 16, 64);  // one whole block: C, A, B
-        shape(3, rows, 64), shape(4, rows, 64), shape(5, 16, 64);  // another
-        shape(6, rows, 32), shape(7, 8, 64);                        // half a block's A and B (C: 0 or 3)
-        _tile_loadconfig(&c);
-    }
-    ~Scope() {
-        if (on_) _tile_release();
-    }
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-
-   private:
-    bool on_;
-};
-}  // namespace amx
-
-const bool kAmx = amx::granted();
-#else
-constexpr bool kAmx = false;
-namespace amx {
-struct Scope {
-    Scope(bool, int) {}
-};
-}  // namespace amx
+// A and C get `rows` rows, the call's largest group: a tile instruction takes about a cycle per row, and a
+// decode's one row in 16-row tiles made the one-row linears 1.2x slower than vdpbf16ps (rows past a group's
+// own are computed and ignored, as ever).
+inline brine::amx::Config tile_shapes(int rows) {
+    brine::amx::Config c;
+    c.shape(0, rows, 64), c.shape(1, rows, 64), c.shape(2, 16, 64);  // one whole block: C, A, B
+    c.shape(3, rows, 64), c.shape(4, rows, 64), c.shape(5, 16, 64);  // another
+    c.shape(6, rows, 32), c.shape(7, 8, 64);                         // half a block's A and B (C: 0 or 3)
+    return c;
+}
 #endif
-// The rows past a group's last that a tile load reads (see amx above): room left after the packed rows.
+const bool kAmx = brine::amx::on();
+// The rows past a group's last that a tile load reads (see above): room left after the packed rows.
 constexpr size_t kTileSlack = 16 * kBlock * 2;
 
 // The vectors one block of one tile takes: 32 float32 q vectors (or, XT bfloat16, 16 bfloat16 pair vectors
@@ -752,6 +716,16 @@ inline int64_t chunk_groups(int64_t rows, int64_t row_bytes, int most, int64_t c
 //    tiles at a time into its panels and runs the chunk's groups over both, so that the chunk's packed rows
 //    stay in L2 across the thread's tiles and each row's output line is written in one go per tile pair.
 // T: the caller's activations; XT: what the dot products take (bfloat16 only on the vdpbf16ps path).
+// The tile shapes a call's groups take (on the AMX path; unused elsewhere).
+template <int XT>
+brine::amx::Config tile_config(const RowGroups& groups) {
+#if defined(BRINE_SIMD_AMX)
+    if (XT == kDtypeBF16 && kAmx) return tile_shapes(static_cast<int>(groups.size + (groups.larger ? 1 : 0)));
+#endif
+    static_cast<void>(groups);
+    return {};
+}
+
 template <int WT, int XT, typename T>
 void run(const Args& in, const T* x, int64_t x_stride, const uint8_t* w, int threads) {
     using PT = std::conditional_t<XT == kDtypeBF16, uint16_t, float>;
@@ -762,7 +736,8 @@ void run(const Args& in, const T* x, int64_t x_stride, const uint8_t* w, int thr
     if (in.m <= kDirectRows) {
 #pragma omp parallel num_threads(threads)
         {
-            const amx::Scope tiles_on(XT == kDtypeBF16 && kAmx, groups.size + (groups.larger ? 1 : 0));
+            const auto shapes = tile_config<XT>(groups);
+            const brine::amx::Scope tiles_on(XT == kDtypeBF16 && kAmx ? &shapes : nullptr);
             const Args a = packed<PT>(in);
             pack_rows<PT>(x, x_stride, groups, 0, groups.count, a);
 #pragma omp for schedule(static) nowait
@@ -778,7 +753,8 @@ void run(const Args& in, const T* x, int64_t x_stride, const uint8_t* w, int thr
     const Args a = packed<PT>(in);
 #pragma omp parallel num_threads(threads)
     {
-        const amx::Scope tiles_on(XT == kDtypeBF16 && kAmx, groups.size + (groups.larger ? 1 : 0));
+        const auto shapes = tile_config<XT>(groups);
+        const brine::amx::Scope tiles_on(XT == kDtypeBF16 && kAmx ? &shapes : nullptr);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups.count; ++g) pack_rows<PT>(x, x_stride, groups, g, g + 1, a);
         // (past the omp for's barrier: every row is packed)
