@@ -1,0 +1,77 @@
+"""The quantized linears alone, this tree's kernels against another checkout's, in one process.
+
+`QuantLinear` on the default model's Q4_1 shapes (1536 x 576, 576 x 1536, 960 x 576: gate/up, down, q/k/v), x
+of each `--rows` count in `--dtype`, the two builds alternated round by round, the best round of each summed over
+the three shapes; the last column says whether both gave the same bits (a change of arithmetic, such as another
+tier's dot products, shows there). Both builds are for this CPU's own tier, or the one BRINE_CPU_TIER names.
+
+    git worktree add /tmp/before HEAD~1
+    .venv/bin/python benchmarks/quant_linear_bench.py --baseline /tmp/before --dtype bfloat16 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.model.kernels.build import baseline_csrc, build_baseline, load  # noqa: E402
+from engine.model.layers.quant_linear import GGML_Q4_1, QuantLinear  # noqa: E402
+
+SHAPES = [(1536, 576), (576, 1536), (960, 576)]  # (out, in)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", type=Path, required=True, help="another checkout: its kernels against this tree's")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--rows", default="2048,128,16,4,1", help="comma-separated row counts")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="alternated rounds per build (the best counts)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    kernels, why = load()
+    if kernels is None:
+        raise SystemExit(f"this tree's kernels are not available: {why}")
+    from gguf import quants
+
+    rng = np.random.default_rng(0)
+    raws = {s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, GGML_Q4_1) for s in SHAPES}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = build_baseline(baseline_csrc(args.baseline), Path(tmp) / "baseline.so")
+        builds = {"baseline": before, "this tree": kernels}
+        print(f"{args.dtype}, {args.threads} threads; tiers: baseline {before.tier}, this tree {kernels.tier}")
+        print("| rows | baseline | this tree | baseline / this tree | same bits |")
+        print("|---|---|---|---|---|")
+        for rows in (int(r) for r in args.rows.split(",")):
+            total = dict.fromkeys(builds, 0.0)
+            same = True
+            for out_f, in_f in SHAPES:
+                layers = {k: QuantLinear(b, GGML_Q4_1, raws[out_f, in_f], in_f) for k, b in builds.items()}
+                x = torch.randn(rows, in_f).to(dtype)
+                outs = [layer(x) for layer in layers.values()]
+                same = same and torch.equal(outs[0], outs[1])
+                reps = max(1, 2000 // rows)
+                best = dict.fromkeys(builds, float("inf"))
+                for _ in range(args.rounds):
+                    for k, layer in layers.items():
+                        t0 = time.perf_counter()
+                        for _ in range(reps):
+                            layer(x)
+                        best[k] = min(best[k], (time.perf_counter() - t0) / reps)
+                for k in total:
+                    total[k] += best[k]
+            b, t = total["baseline"] * 1e3, total["this tree"] * 1e3
+            print(f"| {rows} | {b:.3f} ms | {t:.3f} ms | {b / t:.2f}x | {'yes' if same else 'NO'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
