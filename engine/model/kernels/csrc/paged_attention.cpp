@@ -522,16 +522,7 @@ struct Bf16Work {
     void tile_values(const Args& a, int b, const __m512i* vpairs) {
         constexpr int NC = DC / 32;
         wt.assign(static_cast<size_t>(RP) * 8, 0u);
-        for (int t = 0; t < ik.ntok; ++t) {
-            int vlo, vhi;
-            ik.visible(a, t, b, 16, vlo, vhi);
-            if (vhi <= vlo) continue;
-            for (int g = 0; g < G; ++g) {
-                const int r = t * G + g;
-                bf16_weights(sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16, mx[r * 16], vlo, vhi,
-                             ls.data() + r * 16, wt.data() + r * 8);
-            }
-        }
+        block_weights(a, b, [&](int r) { return wt.data() + r * 8; });
         for (int r0 = 0; r0 < RP; r0 += 16) {
             _tile_loadd(4, wt.data() + r0 * 8, 32);
             for (int i = 0; i < 2 * NC; ++i) {
@@ -544,6 +535,22 @@ struct Bf16Work {
         }
     }
 #endif
+
+    // Block b's weights for every row that sees any of its keys, in row order (bf16_weights: into the row's lane
+    // sums, and its weight pairs where dest(r) says).
+    template <typename Dest>
+    void block_weights(const Args& a, int b, Dest&& dest) {
+        for (int t = 0; t < ik.ntok; ++t) {
+            int vlo, vhi;
+            ik.visible(a, t, b, 16, vlo, vhi);
+            if (vhi <= vlo) continue;
+            for (int g = 0; g < G; ++g) {
+                const int r = t * G + g;
+                bf16_weights(sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16, mx[r * 16], vlo, vhi,
+                             ls.data() + r * 16, dest(r));
+            }
+        }
+    }
 
     // Pass 1: scores, two blocks at a time, then each row's max per lane, then per row.
     void scores(const Args& a) {
@@ -665,18 +672,11 @@ struct Bf16Work {
                 }
                 n = 0;
             };
-            for (int t = 0; t < ik.ntok; ++t) {
-                int vlo, vhi;
-                ik.visible(a, t, b, 16, vlo, vhi);
-                if (vhi <= vlo) continue;
-                for (int g = 0; g < G; ++g) {
-                    const int r = t * G + g;
-                    bf16_weights(sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16, mx[r * 16], vlo, vhi,
-                                 ls.data() + r * 16, w[n]);
-                    group[n++] = acc.data() + r * DC;
-                    if (n == 4) flush();
-                }
-            }
+            block_weights(a, b, [&](int r) {  // a full group's products first, then its weights' slot again
+                if (n == 4) flush();
+                group[n] = acc.data() + r * DC;
+                return w[n++];
+            });
             flush();
         }
         for (int t = 0; t < ik.ntok; ++t)
