@@ -30,7 +30,9 @@ SHAPES = [(1536, 576), (576, 1536), (960, 576)]  # (out, in)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", type=Path, required=True, help="another checkout: its kernels against this tree's")
+    ap.add_argument(
+        "--baseline", type=Path, required=True, help="another checkout: its kernels against this tree's"
+    )
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--rows", default="2048,128,16,4,1", help="comma-separated row counts")
     ap.add_argument("--threads", type=int, default=2)
@@ -44,11 +46,16 @@ def main() -> None:
     from gguf import quants
 
     rng = np.random.default_rng(0)
-    raws = {s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, GGML_Q4_1) for s in SHAPES}
+    raws = {
+        s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, GGML_Q4_1)
+        for s in SHAPES
+    }
     with tempfile.TemporaryDirectory() as tmp:
         before = build_baseline(baseline_csrc(args.baseline), Path(tmp) / "baseline.so")
         builds = {"baseline": before, "this tree": kernels}
-        print(f"{args.dtype}, {args.threads} threads; tiers: baseline {before.tier}, this tree {kernels.tier}")
+        print(
+            f"{args.dtype}, {args.threads} threads; tiers: baseline {before.tier}, this tree {kernels.tier}"
+        )
         print("| rows | baseline | this tree | baseline / this tree | same bits |")
         print("|---|---|---|---|---|")
         for rows in (int(r) for r in args.rows.split(",")):
@@ -70,7 +77,9 @@ def main() -> None:
                 for k in total:
                     total[k] += best[k]
             b, t = total["baseline"] * 1e3, total["this tree"] * 1e3
-            print(f"| {rows} | {b:.3f} ms | {t:.3f} ms | {b / t:.2f}x | {'yes' if same else 'NO'} |", flush=True)
+            print(
+                f"| {rows} | {b:.3f} ms | {t:.3f} ms | {b / t:.2f}x | {'yes' if same else 'NO'} |", flush=True
+            )
 
 
 if __name__ == "__main__":
