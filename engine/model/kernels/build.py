@@ -234,7 +234,7 @@ def _bind(path: Path) -> Kernels:
 
 
 _TIER_WORDS = {
-    "amx-bf16": "amx-bf16 (avx512-bf16, with AMX tiles for the bfloat16 linears)",
+    "amx-bf16": "amx-bf16 (avx512-bf16, with AMX tiles for the bfloat16 linears and attention)",
     "avx512-bf16": "avx512-bf16",
     "avx512": "avx512 (no bf16)",
     "avx2": "avx2+fma",

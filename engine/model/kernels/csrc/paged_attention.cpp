@@ -459,7 +459,7 @@ struct Bf16Work {
     int kvh = 0, G = 0, R = 0, RP = 0, span = 0;
     std::vector<uint32_t> qpairs;  // [RP][DC / 2] query dimension pairs (pad rows 0)
     std::vector<float> sc;         // [RP][span] every score of the item
-    std::vector<float> acc;        // [R][DC] weighted sums of values; a chunk's 32 columns in unpack order
+    std::vector<float> acc;        // [RP][DC] weighted sums of values; a chunk's 32 columns in unpack order
     std::vector<float> mx;         // [R][16] max per key lane, then each row's max in lane 0
     std::vector<float> ls;         // [R][16] sums of weights per key lane
     std::vector<uint32_t> wt;      // AMX: [RP][8] one block's weight pairs, every row (0 where it sees none)

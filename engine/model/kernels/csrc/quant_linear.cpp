@@ -27,7 +27,7 @@
 // every product is exact; the instruction's own order of the two adds, and its flushing of subnormals, make
 // its bits its own). With AMX (an AMX Xeon, where Linux grants the tiles), P comes from tdpbf16ps instead, for every
 // row count alike (amx_blocks): its products are exact too, but it sums the even and the odd pairs apart, so its
-// bits are its own again; 3.5-3.9x faster than vdpbf16ps from 128 rows up, the same at one row (2 threads).
+// bits are its own again; 2.9-3.9x faster than vdpbf16ps from 128 rows up, the same at one row (2 threads).
 // Either way, per row, the sequence depends only on the row's own x and the weights.
 //
 // Invariance: rows are processed in groups (of up to 12 or 16, from a copy of x packed per group, see run) and
@@ -351,7 +351,7 @@ struct Args {
 };
 
 #if defined(BRINE_SIMD_AMX)
-// blocks_dot's arithmetic with each block's P from tdpbf16ps (see amx above): two whole blocks at a time on the
+// blocks_dot's arithmetic with each block's P from tdpbf16ps (see the AMX note above): two whole blocks at a time on the
 // two tile sets, so that one's product runs while the other's loads wait; a two-scale block's halves on tiles
 // 6 and 7 into C tiles 0 and 3. Then, block by block in order, total += d P (+ m S) as everywhere.
 template <int R, int NB>
@@ -706,16 +706,6 @@ inline int64_t chunk_groups(int64_t rows, int64_t row_bytes, int most, int64_t c
     return chunk / most > 1 ? chunk / most : 1;
 }
 
-// The threads share out the tiles, each a run of neighbouring tiles (they follow each other in memory, for
-// the prefetch), and run each tile's row groups.
-//  - Up to kDirectRows rows, each thread packs all the rows itself (a few KB: no thread waits for another's,
-//    nor reads them from the other core's cache), and every group reads the tile's records straight into
-//    registers (group_direct). (Several tiles at once for few rows, to overlap their chains, measured slower:
-//    4-tile groups split the tiles unevenly between the threads.)
-//  - More rows, the threads pack them together; then, chunk of rows by chunk (chunk_groups), each unpacks two
-//    tiles at a time into its panels and runs the chunk's groups over both, so that the chunk's packed rows
-//    stay in L2 across the thread's tiles and each row's output line is written in one go per tile pair.
-// T: the caller's activations; XT: what the dot products take (bfloat16 only on the vdpbf16ps path).
 // The tile shapes a call's groups take (on the AMX path; unused elsewhere).
 template <int XT>
 brine::amx::Config tile_config(const RowGroups& groups) {
@@ -726,6 +716,16 @@ brine::amx::Config tile_config(const RowGroups& groups) {
     return {};
 }
 
+// The threads share out the tiles, each a run of neighbouring tiles (they follow each other in memory, for
+// the prefetch), and run each tile's row groups.
+//  - Up to kDirectRows rows, each thread packs all the rows itself (a few KB: no thread waits for another's,
+//    nor reads them from the other core's cache), and every group reads the tile's records straight into
+//    registers (group_direct). (Several tiles at once for few rows, to overlap their chains, measured slower:
+//    4-tile groups split the tiles unevenly between the threads.)
+//  - More rows, the threads pack them together; then, chunk of rows by chunk (chunk_groups), each unpacks two
+//    tiles at a time into its panels and runs the chunk's groups over both, so that the chunk's packed rows
+//    stay in L2 across the thread's tiles and each row's output line is written in one go per tile pair.
+// T: the caller's activations; XT: what the dot products take (bfloat16 only on the vdpbf16ps path).
 template <int WT, int XT, typename T>
 void run(const Args& in, const T* x, int64_t x_stride, const uint8_t* w, int threads) {
     using PT = std::conditional_t<XT == kDtypeBF16, uint16_t, float>;
@@ -800,7 +800,8 @@ void dispatch(const Args& a, int x_dtype, const void* x, int64_t x_stride, const
 extern "C" {
 
 // The tier these kernels were compiled for: "avx512-bf16", "avx512", "avx2" or "portable" (simd.h); "amx-bf16"
-// where the AVX512-BF16 build has AMX and the kernel granted it (the bfloat16 linears' dot products take tiles).
+// where the AVX512-BF16 build has AMX and the kernel granted it (the bfloat16 linears' and attention's dot
+// products take tiles).
 const char* brine_kernel_tier() { return kAmx ? "amx-bf16" : kTier; }
 
 // 1: every build has the kernel (kept for the loader's check).

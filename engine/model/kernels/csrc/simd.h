@@ -25,7 +25,7 @@
 #define BRINE_SIMD_DPBF16 1  // vdpbf16ps: bfloat16 pairs, float32 sums
 #endif
 #if defined(BRINE_SIMD_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define BRINE_SIMD_AMX 1  // tdpbf16ps: the quantized linears' bfloat16 dot products on tiles (quant_linear.cpp)
+#define BRINE_SIMD_AMX 1  // tdpbf16ps: the bfloat16 linears' and attention's dot products on tiles (amx.h)
 #endif
 
 namespace brine::simd {
