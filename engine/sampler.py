@@ -52,8 +52,26 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1)
     k = min(k, lp.shape[1])  # a vocabulary smaller than the alternatives asked for
-    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], token_ids.new_zeros(len(lp), 0))
+    if k == 0:
+        return LogprobsOut(chosen, token_ids.new_zeros(len(lp), 0), lp[:, :0])
+    top_vals, top_ids = top_k_by_id(lp, k)
     return LogprobsOut(chosen, top_ids, top_vals)
+
+
+def top_k_by_id(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row, best first, equal values in token id order and the lowest ids kept where a
+    tie spans the k-th place. `topk` alone breaks ties by how it was called: k is the largest any request of
+    the step asks for, so a request's alternatives depended on its neighbours' (bfloat16 logits tie often: two
+    tokens 2.7026 apart from the best, in another order beside a request asking for 20)."""
+    vals, ids = lp.topk(k, dim=-1)
+    tied = (lp >= vals[:, -1:]).sum(dim=-1) > k  # a tie across the k-th place: the set itself is in question
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        sorted_vals, sorted_ids = lp[rows].sort(dim=-1, descending=True, stable=True)
+        vals[rows], ids[rows] = sorted_vals[:, :k], sorted_ids[:, :k]
+    ids, by_id = ids.sort(dim=-1)
+    vals, by_val = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, by_val)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -307,3 +307,25 @@ def test_tied_logits_are_kept_or_dropped_together():
     probs = row.softmax(-1)[0]
     p = (probs[0] + probs[1]).item() - 1e-4  # reached within the tie: the tie still stays whole
     assert _cut(row, [6], [p]) == [{0, 1, 2, 3}]
+
+
+def test_tied_alternatives_come_in_token_order_whatever_k_the_step_asks_for():
+    """A request's top alternatives must not depend on its neighbours: the step asks for the largest k any of
+    them wants, and topk alone orders (and, across the k-th place, picks) equal values by how it is called.
+    Ties come first by token id, and the lowest ids win the last places, so every k is a prefix of a larger
+    one and a row gets the same list alone or beside others."""
+    from engine.sampler import token_logprobs
+
+    logits = torch.full((1, 40), -5.0)
+    logits[0, [31, 7, 19]] = 2.0  # three tied best
+    logits[0, [25, 3]] = 1.0  # two tied next
+    wide = token_logprobs(logits, torch.tensor([7]), 20)
+    assert wide.top_ids[0, :5].tolist() == [7, 19, 31, 3, 25]
+    for k in range(1, 8):
+        narrow = token_logprobs(logits, torch.tensor([7]), k)
+        assert narrow.top_ids[0].tolist() == wide.top_ids[0, :k].tolist(), k
+        assert torch.equal(narrow.top_vals[0], wide.top_vals[0, :k])
+    batch = torch.cat([torch.randn(1, 40), logits, torch.randn(2, 40)])
+    beside = token_logprobs(batch, torch.tensor([0, 7, 0, 0]), 2)
+    assert beside.top_ids[1].tolist() == [7, 19]
+    assert bool((wide.top_vals[0, :-1] >= wide.top_vals[0, 1:]).all())
