@@ -62,16 +62,15 @@ def top_k_by_id(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row, best first, equal values in token id order and the lowest ids kept where a
     tie spans the k-th place. `topk` alone breaks ties by how it was called: k is the largest any request of
     the step asks for, so a request's alternatives depended on its neighbours' (bfloat16 logits tie often: two
-    tokens 2.7026 apart from the best, in another order beside a request asking for 20)."""
-    vals, ids = lp.topk(k, dim=-1)
-    tied = (lp >= vals[:, -1:]).sum(dim=-1) > k  # a tie across the k-th place: the set itself is in question
-    if bool(tied.any()):
-        rows = tied.nonzero().squeeze(1)
-        sorted_vals, sorted_ids = lp[rows].sort(dim=-1, descending=True, stable=True)
-        vals[rows], ids[rows] = sorted_vals[:, :k], sorted_ids[:, :k]
-    ids, by_id = ids.sort(dim=-1)
-    vals, by_val = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    return vals, ids.gather(1, by_val)
+    tokens 2.7026 below the best, in another order beside a request asking for 20). One topk over an int64 key,
+    the value's bits made ordered as integers above the id's complement: a total order, with no branch on the
+    data (no host sync on CUDA)."""
+    bits = lp.contiguous().view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # float32 order as int32 order
+    ids = torch.arange(lp.shape[1], device=lp.device, dtype=torch.int64)
+    key = (ordered << 32) | (0xFFFFFFFF - ids)
+    top_ids = 0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
+    return lp.gather(1, top_ids), top_ids
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
