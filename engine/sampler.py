@@ -62,7 +62,7 @@ def top_k_by_id(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row, best first, equal values in token id order and the lowest ids kept where a
     tie spans the k-th place. `topk` alone breaks ties by how it was called: k is the largest any request of
     the step asks for, so a request's alternatives depended on its neighbours' (bfloat16 logits tie often: two
-    tokens 2.7026 below the best, in another order beside a request asking for 20). One topk over an int64 key,
+    tokens both at logprob -2.7026 came in another order beside a request asking for 20). One topk over an int64 key,
     the value's bits made ordered as integers above the id's complement: a total order, with no branch on the
     data (no host sync on CUDA)."""
     bits = lp.contiguous().view(torch.int32)
