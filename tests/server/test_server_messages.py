@@ -166,7 +166,10 @@ def test_the_stream_events_and_the_sdk_helper(sdk: anthropic.Anthropic, http: Te
 
 
 def test_stop_reasons(sdk: anthropic.Anthropic, engine: FakeEngine) -> None:
-    msg = ask(sdk, max_tokens=40, stop_sequences=["zz", "o"])  # every word of the fake has an "o" or soon one
+    # Greedy, so the fake's words are the same every run (sampled, 40 characters of its words without an "o"
+    # came up about once in 600 runs).
+    msg = ask(sdk, max_tokens=40, stop_sequences=["zz", "o"], extra_body={"temperature": 0.0})
+    assert engine.calls[-1].params.greedy
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "o"
     engine.eos_after = 3
     assert ask(sdk).stop_reason == "end_turn"
