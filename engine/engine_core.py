@@ -38,6 +38,7 @@ from kv_cache.stats import KVCacheEvent
 from metrics.stats import IterationStats, SchedulerStats
 
 if TYPE_CHECKING:
+    from engine.kept_logits import KeptLogits
     from engine.kv_tiers import KVTiers
     from engine.lora.manager import LoRAAdapter
 
@@ -108,6 +109,12 @@ class EngineCore:
             self.kv_manager.attach_tiers(self.tiers)
         self.kv_event_sink = kv_event_sink
         self.scheduler = Scheduler(self.kv_manager, config, eos_token_ids=tokenizer.eos_token_ids)
+        # The logits the runner keeps after prompts' last tokens (engine.kept_logits), where it keeps them: the
+        # scheduler admits a prompt sent again with nothing to compute.
+        self.kept_logits: KeptLogits | None = (
+            getattr(runner, "kept_logits", None) if enable_prefix_caching else None
+        )
+        self.scheduler.kept_logits = self.kept_logits
         # The express lane (engine.express), where the runner pauses between layers.
         self.scheduler.express_enabled = config.express_lane and bool(
             getattr(runner, "yields_between_layers", False)
@@ -235,6 +242,8 @@ class EngineCore:
             self._drain_tier_writes()
         if not self.kv_manager.reset_prefix_cache(force):
             return False
+        if self.kept_logits is not None:
+            self.kept_logits.clear()
         if self.tiers is not None:
             self.tiers.clear()  # the tiers forget every block too: a reset reaches the disk
         self._publish_events()
@@ -245,6 +254,10 @@ class EngineCore:
         """Forgets `owner`'s cached private blocks (a tenant's reset, allowed while requests run); returns
         how many. Recorded to the stat loggers at once, like a reset (the cached-blocks gauge moves)."""
         n = self.kv_manager.forget(owner)
+        if self.kept_logits is not None:
+            self.kept_logits.forget(
+                owner
+            )  # unreachable without its blocks' KV, but its prompts' all the same
         if self.tiers is not None:
             self.tiers.forget(owner)  # and its blocks in the tiers (files on disk deleted)
         self._publish_events()

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.grammar_masks import MaskFiller, StepMasks
+from engine.kept_logits import KeptLogits
 from engine.kv_store import KVStore
 from engine.lora.manager import LoRAManager
 from engine.model.attention.base import AttentionBackend, AttentionMetadata, slot_ids
@@ -113,6 +114,9 @@ class ModelRunner:
             self.device, cfg.vocab_size
         )  # EOS ids come with each request (the scheduler's)
         self.grammar_masks = MaskFiller(cfg.vocab_size)
+        # The logits after prompts' last tokens (engine.kept_logits): a prompt sent again samples from them with
+        # no forward. Only where the kernels are batch invariant, which makes them the bits a forward would give.
+        self.kept_logits = KeptLogits(cfg.vocab_size) if batch_invariant else None
         # Adapters add their deltas from Python (engine.model.layers.lora), which the native stack would skip: with
         # --enable-lora every step runs the Python layers, so a base row's bits never depend on its neighbours.
         self.lora = LoRAManager.from_config(config, self.model, self.device) if config.enable_lora else None
@@ -227,31 +231,70 @@ class ModelRunner:
             self.kv_store.copy_blocks(out.block_copies)
         errors = {r.request_id: why for r in out.scheduled if (why := self._invalid(r)) is not None}
         reqs = [r for r in out.scheduled if r.request_id not in errors] if errors else out.scheduled
-        if not reqs:
+        # Requests that compute nothing and sample from kept logits: their rows are read now, before the
+        # forward (an express pass inside it may keep others and push these out).
+        kept = [(r, row) for r in reqs if (row := self._kept_row(r)) is not None]
+        if kept:
+            reqs = [r for r in reqs if r.kept_logits is None]
+        if not reqs and not kept:
             return RunnerOutput({}, errors=errors)
-        if self.graphs is not None:  # CUDA only: short steps replay a captured graph
+        if self.graphs is not None and not kept:  # CUDA only: short steps replay a captured graph
             lists = self._host_lists(reqs)
             graphed = self._graphed(reqs, lists)
             if graphed is not None:
                 rows, padded = graphed
                 with self.grammar_masks.filling(rows.sampling) as masks:
-                    result = self._sample(rows, self.graphs.run(padded)[: padded.num_rows], masks)
+                    logits = self.graphs.run(padded)[: padded.num_rows]
+                    self._keep(rows.sampling, logits)
+                    result = self._sample(rows, logits, masks)
                 result.errors.update(errors)
                 return result
             step = self._prepare(reqs, lists)
-        else:
+        elif reqs:
             step = self._prepare(reqs)
-        adapters = self.lora.step(reqs) if self.lora is not None else contextlib.nullcontext()
+        else:
+            step = None
+        rows = _Rows([], [], []) if step is None else step
+        if kept:  # after the forward's sampling rows (the prompt-logprob rows come after them all)
+            rows = _Rows(rows.sampling + [r for r, _ in kept], rows.prompt_spans, rows.drafted)
+        adapters = self.lora.step(reqs) if self.lora is not None and reqs else contextlib.nullcontext()
         # Grammar masks are filled on their own thread while the forward runs (engine.grammar_masks).
         hook = between_layers if self.yields_between_layers else None
-        with self.grammar_masks.filling(step.sampling) as masks, adapters:
-            result = self._sample(step, self._run(step, hook), masks)
+        with self.grammar_masks.filling(rows.sampling) as masks, adapters:
+            if step is None:
+                logits = torch.stack([row for _, row in kept])
+            else:
+                logits = self._run(step, hook)
+                self._keep(step.sampling, logits)
+                if kept:
+                    ns = len(step.sampling)
+                    logits = torch.cat((logits[:ns], torch.stack([row for _, row in kept]), logits[ns:]))
+            result = self._sample(rows, logits, masks)
         result.errors.update(errors)
         return result
+
+    def _kept_row(self, r: ScheduledRequest) -> torch.Tensor | None:
+        """The kept logits row of a request scheduled with them (`_invalid` checked that they are there)."""
+        if r.kept_logits is None or self.kept_logits is None:
+            return None
+        return self.kept_logits.get(r.kept_logits)
+
+    def _keep(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> None:
+        """Keep the rows of requests that asked for it (a prompt's end; never a drafted request's rows)."""
+        if self.kept_logits is None:
+            return
+        for i, r in enumerate(sampling):
+            if r.keep_logits is not None and not r.draft_token_ids:
+                key, owner = r.keep_logits
+                self.kept_logits.put(key, logits[i], owner)
 
     def _invalid(self, r: ScheduledRequest) -> str | None:
         """Why one request cannot run in this step (it fails alone; the batch goes on), or None."""
         start, n = r.num_computed_tokens, len(r.new_token_ids)
+        if r.kept_logits is not None:
+            if n or not r.sample or self.kept_logits is None or r.kept_logits not in self.kept_logits:
+                return "its kept logits are gone (engine.kept_logits)"
+            return None
         if n < 1 or len(r.block_ids) * self.block_size < start + n:
             return f"{n} new tokens, {len(r.block_ids)} blocks for {start + n}"
         if min(r.new_token_ids) < 0 or max(r.new_token_ids) >= self.vocab_size:

@@ -62,6 +62,12 @@ class ScheduledRequest:
     # tokens that end this request, which the sampler masks while it is short of min_tokens. One set for
     # both, so a token can never be masked as an EOS yet not stop, nor stop yet slip through min_tokens.
     eos_token_ids: frozenset[int] = frozenset()
+    # Kept logits (engine.kept_logits). `kept_logits`: the key of the logits after this request's last token,
+    # kept from an earlier step; its every token's KV is cached, so nothing is computed (new_token_ids is
+    # empty) and the runner samples from the kept row. `keep_logits`: (key, owner) under which the runner
+    # keeps the logits it computes after this chunk's last token (a prompt's end), for such a request later.
+    kept_logits: bytes | None = None
+    keep_logits: tuple[bytes, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -48,7 +48,7 @@ between a step and the next `schedule()` (`finish_requests`), which frees their 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Container, Iterable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -57,6 +57,7 @@ from engine.fair_queue import FairQueue
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob, VerifiedDrafts
 from engine.request import Request, RequestStatus
 from engine.spec_decode import SpecDecoder
+from kv_cache.lookup import ComputedBlocks
 from kv_cache.manager import KVCacheManager
 from metrics.stats import SpecDecodingStats
 
@@ -130,6 +131,10 @@ class Scheduler:
         # Speculative decoding (engine.spec_decode): drafts for decoding requests; None when off.
         spec = config.speculative_config
         self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None
+        # The keys of the logits the runner keeps after prompts' last tokens (engine.kept_logits), set by the
+        # engine where the runner keeps them: a request whose every token's KV is cached and whose logits are
+        # kept is admitted with nothing to compute. None: every request computes at least its last token.
+        self.kept_logits: Container[bytes] | None = None
 
     # ---- admission -------------------------------------------------------------------------------------
 
@@ -241,7 +246,7 @@ class Scheduler:
             req = self._next_to_admit(seq_share, only)
             if req is None:
                 break
-            hit = self.kv_manager.get_computed_blocks(req)
+            hit, kept = self._lookup(req)
             if hit.load:  # a tier holds more of its prefix: load it (only this request waits for it)
                 if not self.kv_manager.start_load(req, hit):
                     break
@@ -256,10 +261,20 @@ class Scheduler:
             self._start(req, hit.num_tokens)
             if num_new < min(remaining, budget):
                 cut.append(len(scheduled))
-            scheduled.append(self._scheduled(req, num_new))
+            scheduled.append(self._scheduled(req, num_new, kept=kept))
             given[req.owner] += num_new
             budget -= num_new
         return budget
+
+    def _lookup(self, req: Request, in_flight: Collection[int] = ()) -> tuple[ComputedBlocks, bytes | None]:
+        """A waiting request's prefix hit, and the key of its kept logits where that hit covers every one of its
+        tokens (it then computes nothing: engine.kept_logits); else None, and the hit leaves its last token to
+        compute, as always."""
+        kept = self.kept_logits
+        seq = self.kv_manager.sequence_key(req) if kept is not None else None
+        key = seq[0] if seq is not None and kept is not None and seq[0] in kept else None
+        hit = self.kv_manager.get_computed_blocks(req, in_flight, whole=key is not None)
+        return hit, (key if hit.num_tokens == req.num_tokens else None)
 
     def _start(self, req: Request, num_hit_tokens: int) -> None:
         """A waiting request, its blocks allocated, joins the running ones."""
@@ -326,14 +341,14 @@ class Scheduler:
             req = self._next_to_admit(self.max_num_seqs, fresh)
             if req is None:
                 break
-            hit = self.kv_manager.get_computed_blocks(req, in_flight)
+            hit, kept = self._lookup(req, in_flight)
             if hit.load:
                 break  # tier loads start in a main pass
             num_new = min(req.num_tokens - hit.num_tokens, budget)
             if self.kv_manager.allocate_slots(req, num_new, hit) is None:
                 break
             self._start(req, hit.num_tokens)
-            scheduled.append(sr := self._scheduled(req, num_new))
+            scheduled.append(sr := self._scheduled(req, num_new, kept=kept))
             if sr.sample:  # its decodes go on in the later express passes of the same main step
                 self._express[req.request_id] = None
             budget -= num_new
@@ -550,14 +565,23 @@ class Scheduler:
         if not self._num_running[req.owner]:
             del self._num_running[req.owner]
 
-    def _scheduled(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled(
+        self, req: Request, num_new: int, drafts: list[int] | None = None, kept: bytes | None = None
+    ) -> ScheduledRequest:
+        """`kept`: the key of the request's kept logits, its num_new 0 (`_lookup`)."""
         start = req.num_computed_tokens
+        sample = start + num_new == req.num_tokens
+        keep = None
+        # A prompt's end (the first token to sample, not a draft's row): the place a repeated prompt comes back
+        # to. A request's later rows are not kept: a sequence rarely comes back ending at one of its outputs.
+        if sample and num_new and not drafts and not req.num_output_tokens and self.kept_logits is not None:
+            keep = self.kv_manager.sequence_key(req)
         return ScheduledRequest(
             request_id=req.request_id,
             new_token_ids=req.all_token_ids[start : start + num_new] + (drafts or []),
             num_computed_tokens=start,
             block_ids=self.kv_manager.get_block_ids(req.request_id),
-            sample=start + num_new == req.num_tokens,
+            sample=sample,
             sampling_params=req.sampling_params,
             all_token_ids=req.all_token_ids,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -566,6 +590,8 @@ class Scheduler:
             draft_token_ids=drafts or [],
             lora=req.lora,
             eos_token_ids=self.eos_token_ids,
+            kept_logits=kept,
+            keep_logits=keep,
         )
 
     # ---- state -----------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ from kv_cache.stats import BlockStored, KVCacheEvent, PrefixCacheStats
 from kv_cache.tier_bridge import TierBridge
 from kv_cache.tiers import LoadPlan, TierBlock, TierLookup
 
+_LOGITS = "logits"  # sets sequence_key's input apart from a block hash's and a tail key's
+
 
 class KVCacheManager:
     def __init__(
@@ -115,16 +117,24 @@ class KVCacheManager:
             none_hash=self.none_hash,
         )
 
-    def get_computed_blocks(self, request: CacheRequest, in_flight: Collection[int] = ()) -> ComputedBlocks:
+    def get_computed_blocks(
+        self, request: CacheRequest, in_flight: Collection[int] = (), *, whole: bool = False
+    ) -> ComputedBlocks:
         """The longest run of cached blocks from the start of the request, then the longest run of the next
         block's tokens whose KV some block holds (the tail), capped so that at least the request's last token
         is computed (its logits are needed). Takes no references and records no stats: those are recorded by
         the allocate_slots call that admits the request with this result. `in_flight`: blocks whose KV a step
-        still running writes (`end_pass`'s result, for a pass made during that step): never hit."""
+        still running writes (`end_pass`'s result, for a pass made during that step): never hit.
+
+        `whole`: the caller already holds the logits after the request's last token (`sequence_key`), so the
+        last token's KV may be hit too; the result then covers either all request.num_tokens tokens or, as
+        without it, at most all but the last (a tier load never covers the last: its logits come with no
+        load)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return ComputedBlocks([], 0)
         hashes = request.block_hashes
-        max_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        limit = request.num_tokens if whole else request.num_tokens - 1
+        max_blocks = min(limit // self.block_size, len(hashes))
         lookup = self.block_pool.get_cached_block
         ids: list[int] = []
         for i in range(max_blocks):
@@ -133,14 +143,16 @@ class KVCacheManager:
                 break
             ids.append(b)
         load = self.tiers.find(hashes[len(ids) : max_blocks]) if self.tiers is not None else []
+        if load and (len(ids) + len(load)) * self.block_size > request.num_tokens - 1:
+            load.pop()  # the last token's block: only a hit in the pool is worth as much as its logits
         hasher = request.hasher
         public = min(len(ids), hasher.num_public_blocks) if hasher is not None else 0
         bs = self.block_size
         start = len(ids) * bs
         tail = None
-        # Tokens of the next block it may reuse: never the last token, never a whole block (a whole block's
-        # hash would have matched).
-        want = min(request.num_tokens - 1 - start, bs - 1)
+        # Tokens of the next block it may reuse: never the last token (unless `whole`), never a whole block
+        # (a whole block's hash would have matched).
+        want = min(limit - start, bs - 1)
         # A request with a namespace looks tails up only under keys carrying it: in a public block, the
         # namespace-free key would also find an unsalted request's block that left the public prefix there,
         # and the hit's length would tell where (a public prefix reveals nothing of what followed it).
@@ -162,6 +174,25 @@ class KVCacheManager:
         return ComputedBlocks(
             ids, start + (tail.num_tokens if tail else 0), request.num_tokens, public * bs, tail
         )
+
+    def sequence_key(self, request: CacheRequest) -> tuple[BlockHash, Owner | None] | None:
+        """A key for the request's whole token sequence under its namespace, and the owner of that key (None
+        where the sequence lies wholly in a public prefix): what the engine keeps the logits after the
+        sequence's last token under, so that a sequence sent again can skip its forward (`whole` above). The
+        last block's tail key (which chains every earlier block and the namespace) with that block's tokens.
+        None when caching is off or the hasher lags."""
+        hasher = request.hasher
+        n = request.num_tokens
+        if hasher is None or n < 1 or not self.enable_caching:
+            return None
+        bs = self.block_size
+        last = (n - 1) // bs
+        hashes = request.block_hashes
+        if len(hashes) < last:
+            return None
+        tokens = request.all_token_ids[last * bs : n]
+        key = self.hash_fn((hasher.tail_key(hashes, last), _LOGITS, tokens))
+        return key, (hasher.namespace.owner if last >= hasher.num_public_blocks else None)
 
     def allocate_slots(
         self, request: CacheRequest, num_new_tokens: int, computed: ComputedBlocks | None = None

@@ -169,7 +169,7 @@ def test_public_system_prompt_is_shared_exactly(tenants_server: BrineServer) -> 
     tokens, a_first = chat_cached(a, question)
     assert a_first in (0, public)  # cold, or the public prefix an earlier test cached
     _, a_again = chat_cached(a, question)
-    assert a_again == tokens - 1  # A's own blocks too, then all but the last token of its last one (a tail)
+    assert a_again == tokens  # A's own blocks too, then its tail and its kept logits: every token
     # B sends A's exact full prompt: exactly the public prefix's full blocks, never one block more.
     _, b_same = chat_cached(b, question)
     assert b_same == public
@@ -212,7 +212,7 @@ def test_tenant_reset_forgets_only_its_own_blocks(tenants_server: BrineServer) -
     question = "What is the last word? " + _text(30)
     tokens, _ = chat_cached(a, question)
     chat_cached(b, question)
-    own = tokens - 1  # each tenant's own blocks, then its own tail: all but the last token
+    own = tokens  # each tenant's own blocks, then its own tail and kept logits (engine.kept_logits): every token
     assert chat_cached(a, question)[1] == own and chat_cached(b, question)[1] == own
     idle(tenants_server)
     r = httpx.post(f"{tenants_server.base_url}/reset_prefix_cache", headers={"Authorization": f"Bearer {A}"},

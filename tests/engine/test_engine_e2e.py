@@ -95,7 +95,7 @@ async def test_eight_concurrent_requests_sharing_a_system_prompt(cached, uncache
     assert all(hit == 0 for _, _, hit in without)
 
 
-async def test_a_prompt_sent_again_recomputes_only_its_last_token_and_answers_the_same(cached, uncached):
+async def test_a_prompt_sent_again_recomputes_nothing_and_answers_the_same(cached, uncached):
     ids = chat_ids(cached, "You are a precise assistant.", "List the planets of the solar system, in order.")
     assert len(ids) % 16 > 1, "the test needs a last block that is partly filled"
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
@@ -112,9 +112,10 @@ async def test_a_prompt_sent_again_recomputes_only_its_last_token_and_answers_th
 
     reference, _ = await answer(uncached)
     first, _ = await answer(cached)
-    # Its full blocks by hash, then all but the last token of its partial block (a tail, copied).
+    # Its full blocks by hash, then its partial block (a tail, copied), its last token's KV included: the
+    # logits after it were kept (engine.kept_logits; tests/engine/test_kept_logits.py).
     again, hit = await answer(cached)
-    assert hit == len(ids) - 1
+    assert hit == len(ids)
     assert again == first == reference and len(reference) == 8
 
 

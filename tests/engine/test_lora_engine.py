@@ -187,7 +187,7 @@ def test_cached_blocks_never_cross_adapters(engine, adapters):
     assert asyncio.run(answer(engine, prompt, None))[2] == 0
     assert asyncio.run(answer(engine, prompt, "a"))[2] == 0  # the base model's blocks are not a's
     assert asyncio.run(answer(engine, prompt, "b"))[2] == 0
-    assert asyncio.run(answer(engine, prompt, "a"))[2] == len(prompt) - 1  # a's own blocks (and tail) hit
+    assert asyncio.run(answer(engine, prompt, "a"))[2] == len(prompt)  # a's own blocks, tail and kept logits
     first = asyncio.run(answer(engine, prompt, "b"))
     # Reloaded under its name with other weights: a new fingerprint, so the old KV is never reused.
     engine.loras.load("b", str(adapters["a2"]), replace=True)

@@ -183,3 +183,18 @@ def test_a_reset_during_a_load_caches_nothing_it_brings() -> None:
     assert mgr.finish_loads([("r", 2)]) == ["r"]
     assert mgr.num_cached_blocks == 0 and mgr.num_free_blocks == 16
     mgr.check_invariants()
+
+
+def test_a_whole_lookup_never_loads_the_last_tokens_block() -> None:
+    """Kept logits are worth a hit in the pool only: where the tier holds every block of a request whose
+    length is a multiple of the block size, the load leaves the last block (and its last token) to compute."""
+    mgr = KVCacheManager(16, BS)
+    tiers = DictTiers()
+    mgr.attach_tiers(tiers)
+    tokens = list(range(100, 112))  # 3 full blocks
+    _cache_in_tier(mgr, tiers, tokens)
+    req = make_req(mgr, "r", tokens)
+    plain = mgr.get_computed_blocks(req)
+    whole = mgr.get_computed_blocks(req, whole=True)
+    assert plain.load == whole.load == ["host"] * 2 and whole.num_tokens == plain.num_tokens == 8
+    release(mgr)
