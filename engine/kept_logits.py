@@ -13,7 +13,8 @@ scheduler admits a request whose every token's KV is cached and whose logits are
 Exactly the same tokens and logprobs: the kept row is the raw float32 logits the model computed at that
 position (before penalties, masks, temperature), and Brine's kernels are batch- and chunk-invariant, so the row
 a new forward would compute there is bit-identical to it (tests/engine/test_kept_logits.py checks it against a
-run with caching off). Nothing crosses namespaces: the key carries the namespace as a block hash does, and the
+run with caching off). On CUDA, whose linears are not invariant yet (docs/determinism.md), the row is the one
+the first request computed, as close to a recompute as any two batches there are. Nothing crosses namespaces: the key carries the namespace as a block hash does, and the
 KV it needs must be hit under the same key chain. A tenant's reset drops its entries (`forget`), a cache reset
 all of them.
 
