@@ -172,6 +172,10 @@ class Scenario:
         """Queue what the next measured step runs (decode: nothing to add)."""
         self.n += 1
         if self.kind == "warm_prefill":
+            # The one-token step over the cached prompt: without its kept logits row (engine.kept_logits), a
+            # prompt sent again would compute nothing at all.
+            if self.core.kept_logits is not None:
+                self.core.kept_logits.clear()
             self.core.add_request(f"w{self.n}", self.prompt, SamplingParams(max_tokens=1, temperature=0.0))
         elif self.kind == "cold_5_token":
             ids = prompt_ids(self.core, 5, 100 + self.n)
