@@ -488,12 +488,51 @@ struct Bf16Work {
 #if defined(BRINE_SIMD_AMX)
     // On AMX (amx.h), every call alike. Tiles: 0, 1, 2 the scores' C (16 rows x 16 keys), A (16 rows x 16 query
     // pairs), B (16 pairs x 16 keys); 3, 4, 5 the values' C (16 rows x 16 of the output's dimensions), A (16 rows
-    // x 8 weight pairs), B (8 key pairs x 16 dimensions).
+    // x 8 weight pairs), B (8 key pairs x 16 dimensions); 6, 7 (and 0, 3) the values' four Cs kept in tiles for
+    // a whole walk (tile_values_kept).
     static brine::amx::Config tile_shapes() {
         brine::amx::Config c;
         c.shape(0, 16, 64), c.shape(1, 16, 64), c.shape(2, 16, 64);
         c.shape(3, 16, 64), c.shape(4, 16, 32), c.shape(5, 8, 64);
+        c.shape(6, 16, 64), c.shape(7, 16, 64);
         return c;
+    }
+
+    // Whether the values' sums stay in tiles for the whole walk (tile_values_kept): one tile of rows (a decode, a
+    // verify chunk: RP = 16) and 64 dimensions (four Cs of 16).
+    bool keeps_tiles() const { return DC == 64 && RP == 16; }
+
+    // tile_values for one tile of rows, with the four Cs in tiles 0, 3, 6, 7 from the first block to the last
+    // (zeroed before it, stored after it: kept_sums_out) instead of loaded and stored around every block: the
+    // same products added to the same sums in the same order, so the same bits, without 8 tile loads and stores
+    // (each waiting on the product before it) per block.
+    void tile_values_kept(const Args& a, int b, const __m512i* vpairs) {
+        constexpr int NC = DC / 32;
+        wt.assign(static_cast<size_t>(RP) * 8, 0u);
+        block_weights(a, b, [&](int r) { return wt.data() + r * 8; });
+        _tile_loadd(4, wt.data(), 32);
+        _tile_loadd(5, vpairs + 0, 2 * NC * 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vpairs + 1, 2 * NC * 64);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_loadd(5, vpairs + 2, 2 * NC * 64);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_loadd(5, vpairs + 3, 2 * NC * 64);
+        _tile_dpbf16ps(7, 4, 5);
+    }
+
+    void kept_sums_in() {  // acc is all zeros (reset)
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+
+    void kept_sums_out() {
+        _tile_stored(0, acc.data() + 0, DC * 4);
+        _tile_stored(3, acc.data() + 16, DC * 4);
+        _tile_stored(6, acc.data() + 32, DC * 4);
+        _tile_stored(7, acc.data() + 48, DC * 4);
     }
 
     // The scores of nb blocks (their keys' pairs in kpairs, as transposed for bf16_score_rows) for all RP rows:
@@ -654,6 +693,12 @@ struct Bf16Work {
                     vpairs[jp * 2 * NC + 2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
                 }
 #if defined(BRINE_SIMD_AMX)
+            if (kAmx && keeps_tiles()) {
+                if (b == ik.b_lo) kept_sums_in();
+                tile_values_kept(a, b, vpairs);
+                if (b + 1 == ik.b_hi) kept_sums_out();
+                continue;
+            }
             if (kAmx) {
                 tile_values(a, b, vpairs);
                 continue;
