@@ -540,6 +540,17 @@ struct Bf16Work {
     // scale into out (sc at the first block's column).
     void tile_scores(const Args& a, const uint32_t* kpairs, int nb, float* out) const {
         const __m512 vscale = _mm512_set1_ps(a.scale);
+        if (DC == 64 && nb == 2) {  // the two blocks' products interleaved (tile_scores_pair), rows 16 at a time
+            for (int r0 = 0; r0 < RP; r0 += 16) {
+                float* o = out + int64_t{r0} * span;
+                tile_scores_pair(kpairs, r0, o);
+                for (int k = 0; k < 2; ++k)
+                    for (int r = 0; r < 16 && r0 + r < R; ++r)
+                        _mm512_storeu_ps(o + r * span + 16 * k,
+                                         _mm512_mul_ps(_mm512_loadu_ps(o + r * span + 16 * k), vscale));
+            }
+            return;
+        }
         for (int r0 = 0; r0 < RP; r0 += 16)
             for (int k = 0; k < nb; ++k) {
                 float* o = out + int64_t{r0} * span + 16 * k;
@@ -553,6 +564,28 @@ struct Bf16Work {
                 for (int r = 0; r < 16 && r0 + r < R; ++r)
                     _mm512_storeu_ps(o + r * span, _mm512_mul_ps(_mm512_loadu_ps(o + r * span), vscale));
             }
+    }
+
+    // Two blocks' scores for rows r0 .. r0 + 15 (64 dimensions: two chunks of 32), into o (unscaled): each block's C
+    // is zeroed, then gets chunk 0's products, then chunk 1's, as in tile_scores' loop (the same bits), but block
+    // 0's C in tile 0 and block 1's in tile 3 with the query chunks loaded once (tiles 1, 6) and the keys'
+    // alternating between tiles 2 and 7, so that one block's product runs while the other's waits on its own.
+    void tile_scores_pair(const uint32_t* kpairs, int r0, float* o) const {
+        const uint32_t* q = qpairs.data() + r0 * DC / 2;
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_loadd(1, q, DC * 2);
+        _tile_loadd(6, q + 16, DC * 2);
+        _tile_loadd(2, kpairs + (0 * DC / 2 + 0) * 16, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(7, kpairs + (1 * DC / 2 + 0) * 16, 64);
+        _tile_dpbf16ps(3, 1, 7);
+        _tile_loadd(2, kpairs + (0 * DC / 2 + 16) * 16, 64);
+        _tile_dpbf16ps(0, 6, 2);
+        _tile_loadd(7, kpairs + (1 * DC / 2 + 16) * 16, 64);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_stored(0, o, span * 4);
+        _tile_stored(3, o + 16, span * 4);
     }
 
     // Block b's weights x values for all RP rows: each row's weight pairs as values() makes them (a row that
