@@ -176,11 +176,12 @@ class KVCacheManager:
         )
 
     def sequence_key(self, request: CacheRequest) -> tuple[BlockHash, Owner | None] | None:
-        """A key for the request's whole token sequence under its namespace, and the owner of that key (None
-        where the sequence lies wholly in a public prefix): what the engine keeps the logits after the
-        sequence's last token under, so that a sequence sent again can skip its forward (`whole` above). The
-        last block's tail key (which chains every earlier block and the namespace) with that block's tokens.
-        None when caching is off or the hasher lags."""
+        """A key for the request's whole token sequence under its namespace, and the namespace's owner: what the
+        engine keeps the logits after the sequence's last token under, so that a sequence sent again can skip
+        its forward (`whole` above). The last block's tail key (which chains every earlier block, and the
+        namespace past a public prefix) with that block's tokens and the namespace again: a sequence lying
+        wholly in a public prefix is still each namespace's own, so a hit never tells one tenant that another
+        sent exactly the public text and nothing after it. None when caching is off or the hasher lags."""
         hasher = request.hasher
         n = request.num_tokens
         if hasher is None or n < 1 or not self.enable_caching:
@@ -191,8 +192,9 @@ class KVCacheManager:
         if len(hashes) < last:
             return None
         tokens = request.all_token_ids[last * bs : n]
-        key = self.hash_fn((hasher.tail_key(hashes, last), _LOGITS, tokens))
-        return key, (hasher.namespace.owner if last >= hasher.num_public_blocks else None)
+        namespace = hasher.namespace
+        key = self.hash_fn((hasher.tail_key(hashes, last), _LOGITS, tokens, namespace.keys()))
+        return key, namespace.owner
 
     def allocate_slots(
         self, request: CacheRequest, num_new_tokens: int, computed: ComputedBlocks | None = None

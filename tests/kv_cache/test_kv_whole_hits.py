@@ -91,10 +91,14 @@ def test_the_sequence_key_names_the_tokens_and_the_namespace() -> None:
     assert off.sequence_key(make_req(mgr, "j", range(4))) is None  # even with a hasher from elsewhere
 
 
-def test_a_sequence_inside_a_public_prefix_is_nobodys() -> None:
+def test_a_sequence_inside_a_public_prefix_is_still_its_namespaces() -> None:
+    """Its blocks are shared, but whether someone sent exactly the public text and nothing after it is not."""
     mgr = KVCacheManager(8, BS, public_prefixes=[list(range(8))])
-    tenant = CacheNamespace(tenant="t")
-    inside = mgr.sequence_key(FakeRequest("a", list(range(8)), mgr.make_hasher(tenant, list(range(8)))))
-    past = mgr.sequence_key(FakeRequest("b", list(range(10)), mgr.make_hasher(tenant, list(range(10)))))
-    assert inside is not None and inside[1] is None
-    assert past is not None and past[1] == ("tenant", "t")
+    key = mgr.sequence_key
+    alice, bob = CacheNamespace(tenant="alice"), CacheNamespace(tenant="bob")
+    a = key(FakeRequest("a", list(range(8)), mgr.make_hasher(alice, list(range(8)))))
+    b = key(FakeRequest("b", list(range(8)), mgr.make_hasher(bob, list(range(8)))))
+    plain = key(FakeRequest("c", list(range(8)), mgr.make_hasher(None, list(range(8)))))
+    assert a is not None and b is not None and plain is not None
+    assert len({a[0], b[0], plain[0]}) == 3
+    assert a[1] == ("tenant", "alice") and b[1] == ("tenant", "bob") and plain[1] is None
