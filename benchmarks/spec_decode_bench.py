@@ -17,7 +17,10 @@ Decode tok/s counts the tokens after every stream has its first token, over the 
 prefill is left out), as decode_bench does. Greedy unless `--seeded` (temperature 0.8, a seed per stream). The
 two arms must produce the same tokens: the run fails otherwise (the guarantee, checked on every request).
 "steps off/on" is how many fewer decode steps speculation took, which does not depend on the machine's load;
-tok/s on over off is that divided by what a step with drafts costs over one without.
+tok/s on over off is that divided by what a step with drafts costs over one without. It counts every pass that
+generated a token, express passes included: with several streams, the streams already decoding get passes of
+their own inside the later prompts' prefill steps (engine/express.py), so past one stream the column depends
+on how arrivals and prefills interleave, and only the tok/s ratio is the comparison.
 
     .venv/bin/python benchmarks/spec_decode_bench.py                          # K=4, lookup 2..4, 1 and 16
     .venv/bin/python benchmarks/spec_decode_bench.py --spec '{"method": "ngram", "num_speculative_tokens": 8,
