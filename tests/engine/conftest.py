@@ -1,7 +1,9 @@
 """Fixtures for the model tests: tiny random checkpoints of every supported architecture, saved the way a
 real model directory is (config.json + model.safetensors), with the transformers model kept as the reference,
 and a small driver (`Paged`) that runs our model over requests with explicit, non-contiguous block tables,
-and `HostSyncs`, which records what would make the host wait for a GPU.
+and `HostSyncs`, which records what would make the host wait for a GPU. `cached` and `uncached`: module-scoped
+engines on the real default model, with and without prefix caching, for the modules that compare them (each
+such module gets its own pair; after each of its tests no block may still be in use).
 
 (CUDA-marked tests are skipped by the suite-wide hook in tests/conftest.py.)
 """
@@ -213,3 +215,39 @@ def fresh_dynamo() -> None:
     compile (`cur_qSplitSize9` was not declared), or computed wrong values where it reused the first one's; each
     test passed alone, and with a reset before it. A server compiles one FlexBackend per process."""
     torch._dynamo.reset()
+
+
+DEFAULT_ENGINE_BLOCKS = 512  # 8192 tokens of KV: plenty, and small enough for a shared CPU machine
+
+
+def default_engine(enable_prefix_caching: bool):
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    config = EngineConfig(
+        num_blocks=DEFAULT_ENGINE_BLOCKS, enable_prefix_caching=enable_prefix_caching, device="cpu"
+    )
+    return AsyncEngine.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def cached():
+    engine = default_engine(True)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def uncached():
+    engine = default_engine(False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """After a test using `cached` or `uncached`: every KV block is back."""
+    yield
+    for name in ("cached", "uncached"):
+        if name in request.fixturenames:
+            assert request.getfixturevalue(name).num_used_blocks() == 0

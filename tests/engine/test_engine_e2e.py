@@ -15,42 +15,11 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 
 pytestmark = pytest.mark.slow
-
-NUM_BLOCKS = 512  # 8192 tokens of KV: plenty, and small enough for a shared CPU machine
-
-
-def make(enable_prefix_caching: bool) -> AsyncEngine:
-    config = EngineConfig(num_blocks=NUM_BLOCKS, enable_prefix_caching=enable_prefix_caching, device="cpu")
-    return AsyncEngine.from_config(config)
-
-
-@pytest.fixture(scope="module")
-def cached():
-    engine = make(True)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def uncached():
-    engine = make(False)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(request):
-    yield
-    for name in ("cached", "uncached"):
-        if name in request.fixturenames:
-            assert request.getfixturevalue(name).num_used_blocks() == 0
-
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 

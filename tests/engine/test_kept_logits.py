@@ -14,42 +14,12 @@ import json
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 from kv_cache import CacheNamespace
 
 pytestmark = pytest.mark.slow
-
-NUM_BLOCKS = 256
-
-
-def make(enable_prefix_caching: bool) -> AsyncEngine:
-    config = EngineConfig(num_blocks=NUM_BLOCKS, enable_prefix_caching=enable_prefix_caching, device="cpu")
-    return AsyncEngine.from_config(config)
-
-
-@pytest.fixture(scope="module")
-def cached():
-    engine = make(True)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def uncached():
-    engine = make(False)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(request):
-    yield
-    for name in ("cached", "uncached"):
-        if name in request.fixturenames:
-            assert request.getfixturevalue(name).num_used_blocks() == 0
 
 
 def kept(engine: AsyncEngine):
