@@ -377,6 +377,11 @@ class EngineCore:
             iteration.num_prompt_tokens += max(
                 0, min(sr.num_prompt_tokens - sr.num_computed_tokens, len(sr.new_token_ids))
             )
+        iteration.num_kept_logits_hits = sum(
+            1
+            for sr in sched_out.scheduled
+            if sr.kept_logits is not None and sr.request_id not in result.errors
+        )
         iteration.spec_decoding = self.scheduler.take_spec_stats()
         outputs = self._apply_stops(self.outputs.process(updates, iteration))
         self._publish_events()

@@ -112,6 +112,13 @@ class IterationStats:
     num_generation_tokens: int = metric_field(  # tokens sampled this step
         "counter", "brine_generation_tokens", "Tokens generated."
     )
+    # Prompts that computed nothing this step (engine.kept_logits).
+    num_kept_logits_hits: int = metric_field(
+        "counter",
+        "brine_prefix_cache_kept_logits_hits",
+        "Prompts sent again whose every token was cached and whose first token was sampled from the logits kept "
+        "after the same prompt: no forward at all.",
+    )
     # One per sequence that got its first token this step: a request with n > 1 gives n (as vLLM's n child
     # requests do), so the histogram is the latency each generated choice saw.
     ttfts: list[float] = field(default_factory=list)

@@ -18,6 +18,7 @@ from engine.request import Origin
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
 from kv_cache import CacheNamespace
+from metrics.stats import IterationStats, SchedulerStats, StatLogger
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +47,17 @@ async def answer(
     return record, cached_tokens
 
 
+class Counted(StatLogger):
+    """Sums what the engine's steps report."""
+
+    def __init__(self) -> None:
+        self.kept_hits = self.prompt_tokens = 0
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.kept_hits += iteration_stats.num_kept_logits_hits
+        self.prompt_tokens += iteration_stats.num_prompt_tokens
+
+
 TEXT = (
     "The harbour master's log for the ninth of March records three ships: the Aurora, carrying timber from "
     "Riga; the Halcyon, with copper wire for the depot at Kiel; and the Meridian, which turned back in the "
@@ -60,12 +72,19 @@ async def test_a_prompt_sent_again_computes_nothing_and_answers_as_a_cold_engine
     assert len(ids) == length
     reference, _ = await answer(uncached, ids, GREEDY)
     store = kept(cached)
-    first, first_hit = await answer(cached, ids, GREEDY)
-    hits = store.hits
-    again, hit = await answer(cached, ids, GREEDY)
+    counted = Counted()
+    cached._core.stat_loggers.append(counted)
+    try:
+        first, first_hit = await answer(cached, ids, GREEDY)
+        hits = store.hits
+        again, hit = await answer(cached, ids, GREEDY)
+    finally:
+        cached._core.stat_loggers.remove(counted)
     assert first_hit < length and hit == length  # every prompt token from the cache, its last one too
     assert store.hits == hits + 1  # its first token was sampled from the kept row: no forward
     assert again == first == reference and len(reference) == 8
+    # brine_prefix_cache_kept_logits_hits_total: the second send; and its prompt computed no token
+    assert counted.kept_hits == 1 and counted.prompt_tokens == length - first_hit
 
 
 async def test_seeded_sampling_and_penalties_from_a_kept_row_are_those_of_a_cold_engine(cached, uncached):

@@ -32,6 +32,10 @@ HELP = {
     "brine_num_preemptions": "Requests preempted (KV blocks freed, recomputed).",
     "brine_prompt_tokens": "Prompt tokens computed by the model (prefix-cache hits are not computed).",
     "brine_generation_tokens": "Tokens generated.",
+    "brine_prefix_cache_kept_logits_hits": (
+        "Prompts sent again whose every token was cached and whose first token was sampled from the logits kept "
+        "after the same prompt: no forward at all."
+    ),
     "brine_request_success": "Finished requests, by finish reason.",
     "brine_num_requests_running": "Requests in the running batch.",
     "brine_num_requests_waiting": "Requests waiting to be scheduled.",
