@@ -254,10 +254,8 @@ class EngineCore:
         """Forgets `owner`'s cached private blocks (a tenant's reset, allowed while requests run); returns
         how many. Recorded to the stat loggers at once, like a reset (the cached-blocks gauge moves)."""
         n = self.kv_manager.forget(owner)
-        if self.kept_logits is not None:
-            self.kept_logits.forget(
-                owner
-            )  # unreachable without its blocks' KV, but its prompts' all the same
+        if self.kept_logits is not None:  # unreachable without its blocks' KV, but its prompts' all the same
+            self.kept_logits.forget(owner)
         if self.tiers is not None:
             self.tiers.forget(owner)  # and its blocks in the tiers (files on disk deleted)
         self._publish_events()
