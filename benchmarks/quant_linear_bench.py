@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quant_q8_bench import SHAPES, best_per_call, q4_1_weights  # noqa: E402
 from engine.model.kernels.build import baseline_csrc, build_baseline, load  # noqa: E402
 from engine.model.layers.quant_linear import GGML_Q4_1, QuantLinear  # noqa: E402
-
-SHAPES = [(1536, 576), (576, 1536), (960, 576)]  # (out, in)
 
 
 def main() -> None:
@@ -43,13 +40,7 @@ def main() -> None:
     kernels, why = load()
     if kernels is None:
         raise SystemExit(f"this tree's kernels are not available: {why}")
-    from gguf import quants
-
-    rng = np.random.default_rng(0)
-    raws = {
-        s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, GGML_Q4_1)
-        for s in SHAPES
-    }
+    raws = q4_1_weights()
     with tempfile.TemporaryDirectory() as tmp:
         before = build_baseline(baseline_csrc(args.baseline), Path(tmp) / "baseline.so")
         builds = {"baseline": before, "this tree": kernels}
@@ -66,14 +57,7 @@ def main() -> None:
                 x = torch.randn(rows, in_f).to(dtype)
                 outs = [layer(x) for layer in layers.values()]
                 same = same and torch.equal(outs[0], outs[1])
-                reps = max(1, 2000 // rows)
-                best = dict.fromkeys(builds, float("inf"))
-                for _ in range(args.rounds):
-                    for k, layer in layers.items():
-                        t0 = time.perf_counter()
-                        for _ in range(reps):
-                            layer(x)
-                        best[k] = min(best[k], (time.perf_counter() - t0) / reps)
+                best = best_per_call(layers, x, args.rounds, reps=max(1, 2000 // rows))
                 for k in total:
                     total[k] += best[k]
             b, t = total["baseline"] * 1e3, total["this tree"] * 1e3

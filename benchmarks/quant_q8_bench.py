@@ -19,24 +19,50 @@ import argparse
 import asyncio
 import random
 import time
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 SHAPES = [(1536, 576), (576, 1536), (960, 576)]  # (out, in)
 
+K = TypeVar("K", bound=Hashable)
 
-def linears(builds: list[str]) -> None:
+
+def q4_1_weights() -> dict[tuple[int, int], np.ndarray]:
+    """Each of SHAPES as Q4_1 blocks, as a GGUF stores them: seeded random weights of scale 1 / sqrt(in)."""
     from gguf import quants
 
-    from engine.model.kernels import build as native_kernels
-    from engine.model.layers.quant_linear import GGML_Q4_1, QuantLinear
+    from engine.model.layers.quant_linear import GGML_Q4_1
 
     rng = np.random.default_rng(0)
-    raws = {
+    return {
         s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, GGML_Q4_1)
         for s in SHAPES
     }
+
+
+def best_per_call(
+    layers: dict[K, Callable[[torch.Tensor], object]], x: torch.Tensor, rounds: int, reps: int
+) -> dict[K, float]:
+    """Seconds per call of each layer on x: the best of `rounds` rounds of `reps` calls, the layers taking turns
+    round by round (these machines are noisy: each round falls on all of them alike)."""
+    best = dict.fromkeys(layers, float("inf"))
+    for _ in range(rounds):
+        for k, layer in layers.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                layer(x)
+            best[k] = min(best[k], (time.perf_counter() - t0) / reps)
+    return best
+
+
+def linears(builds: list[str]) -> None:
+    from engine.model.kernels import build as native_kernels
+    from engine.model.layers.quant_linear import GGML_Q4_1, QuantLinear
+
+    raws = q4_1_weights()
     print(f"| build | rows | float | q8 | speed-up |  ({torch.get_num_threads()} thread(s))")
     print("|---|---|---|---|---|")
     for name in builds:
@@ -52,14 +78,8 @@ def linears(builds: list[str]) -> None:
                     for q8 in total
                 }
                 x = torch.randn(rows, in_f)
-                reps = 3 if rows > 100 else 200
-                best = dict.fromkeys(total, float("inf"))
-                for _ in range(4):  # the first round warms up
-                    for q8, layer in layers.items():
-                        t0 = time.perf_counter()
-                        for _ in range(reps):
-                            layer(x)
-                        best[q8] = min(best[q8], (time.perf_counter() - t0) / reps)
+                # 4 rounds: the first warms up
+                best = best_per_call(layers, x, rounds=4, reps=3 if rows > 100 else 200)
                 for q8 in total:
                     total[q8] += best[q8]
             f, q = total[False] * 1e3, total[True] * 1e3
