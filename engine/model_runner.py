@@ -233,7 +233,8 @@ class ModelRunner:
         reqs = [r for r in out.scheduled if r.request_id not in errors] if errors else out.scheduled
         # Requests that compute nothing and sample from kept logits: their rows are read now, before the
         # forward (an express pass inside it may keep others and push these out).
-        kept = [(r, row) for r in reqs if (row := self._kept_row(r)) is not None]
+        kept = [r for r in reqs if r.kept_logits is not None]
+        kept_rows = self._kept_rows(kept)
         if kept:
             reqs = [r for r in reqs if r.kept_logits is None]
         if not reqs and not kept:
@@ -256,28 +257,36 @@ class ModelRunner:
             step = None
         rows = _Rows([], [], []) if step is None else step
         if kept:  # after the forward's sampling rows (the prompt-logprob rows come after them all)
-            rows = _Rows(rows.sampling + [r for r, _ in kept], rows.prompt_spans, rows.drafted)
+            rows = _Rows(rows.sampling + kept, rows.prompt_spans, rows.drafted)
         adapters = self.lora.step(reqs) if self.lora is not None and reqs else contextlib.nullcontext()
         # Grammar masks are filled on their own thread while the forward runs (engine.grammar_masks).
         hook = between_layers if self.yields_between_layers else None
         with self.grammar_masks.filling(rows.sampling) as masks, adapters:
             if step is None:
-                logits = torch.stack([row for _, row in kept])
+                assert kept_rows is not None  # nothing to compute: every request sampled from a kept row
+                logits = kept_rows
             else:
                 logits = self._run(step, hook)
                 self._keep(step.sampling, logits)
-                if kept:
+                if kept_rows is not None:
                     ns = len(step.sampling)
-                    logits = torch.cat((logits[:ns], torch.stack([row for _, row in kept]), logits[ns:]))
+                    logits = torch.cat((logits[:ns], kept_rows, logits[ns:]))
             result = self._sample(rows, logits, masks)
         result.errors.update(errors)
         return result
 
-    def _kept_row(self, r: ScheduledRequest) -> torch.Tensor | None:
-        """The kept logits row of a request scheduled with them (`_invalid` checked that they are there)."""
-        if r.kept_logits is None or self.kept_logits is None:
+    def _kept_rows(self, kept: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The kept logits rows of the requests scheduled with them, in order (`_invalid` checked that they are
+        there); None for none."""
+        store = self.kept_logits
+        if not kept or store is None:
             return None
-        return self.kept_logits.get(r.kept_logits)
+        rows = []
+        for r in kept:
+            row = store.get(r.kept_logits) if r.kept_logits is not None else None
+            assert row is not None, "_invalid checked that its kept row is there"
+            rows.append(row)
+        return torch.stack(rows)
 
     def _keep(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> None:
         """Keep the rows of requests that asked for it (a prompt's end; never a drafted request's rows)."""
