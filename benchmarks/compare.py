@@ -258,6 +258,7 @@ TIER_CAPS = {
         "MKL_ENABLE_INSTRUCTIONS": "AVX512_E1",
     },
 }
+TIER_CAPS["avx512-vnni"] = TIER_CAPS["avx512"]
 
 
 def apply_tier_caps(environ: dict[str, str] | None = None) -> str | None:

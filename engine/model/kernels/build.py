@@ -14,11 +14,13 @@ Where no compiler is found or the build fails, `load()` returns None with the re
 pure-torch path (the log says which one runs).
 
 Tiers (csrc/simd.h): the same sources build for every CPU. `-march=native` picks this CPU's tier (AVX512-BF16,
-AVX512 without BF16, AVX2 + FMA, or the portable one with no intrinsics), and `TIERS` names explicit lower
-targets, so that any machine can build and test the tiers below its own (tests/engine/test_kernel_tiers.py).
-`BRINE_CPU_TIER=avx512-bf16|avx512|avx2|portable` makes Brine run as on such a CPU: the kernels are built for
-that target, and below AVX512-BF16 bfloat16 counts as not native (device.cpu_has_native_bf16), as on a CPU
-without it. (avx512-bf16 is offered only on an AMX CPU: the same build without the tiles.)
+AVX512 without BF16 with or without VNNI, AVX2 + FMA, or the portable one with no intrinsics), and `TIERS` names
+explicit lower targets, so that any machine can build and test the tiers below its own
+(tests/engine/test_kernel_tiers.py). `BRINE_CPU_TIER=avx512-bf16|avx512-vnni|avx512|avx2|portable` makes Brine
+run as on such a CPU: the kernels are built for that target, and below AVX512-BF16 bfloat16 counts as not native
+(device.cpu_has_native_bf16), as on a CPU without it. (avx512-bf16 is offered only on an AMX CPU: the same build
+without the tiles; avx512-vnni only on a CPU with AVX512-BF16 as well: on a Cascade Lake or Ice Lake Xeon it is
+the native build.)
 """
 
 from __future__ import annotations
@@ -77,9 +79,13 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 # libm, which would make the test runs slow, not different).
 # The AVX512-BF16 build without AMX is a lower tier only on an AMX CPU, whose own build takes tiles: hence its
 # need for amx_tile, which it does not use. On a Zen 4 or Zen 5 it is the native build, not built twice.
+# avx512-vnni is the Cascade Lake / Ice Lake Xeon (AVX512 with VNNI, no BF16): the bulk of cloud AVX512 without
+# BF16, whose Q8 activations take vpdpbusd (quant_q8.h), where avx512 (Skylake-X) takes vpmaddubsw. It is a lower
+# tier only where the CPU has AVX512-BF16 too (hence that need); on those Xeons it is the native build.
 V4 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 TIERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16"), V4 | {"avx512_bf16", "amx_tile"}),
+    "avx512-vnni": (("-march=x86-64-v4", "-mavx512vnni"), V4 | {"avx512_vnni", "avx512_bf16"}),
     "avx512": (("-march=x86-64-v4",), V4),
     "avx2": (("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),
     "portable": (("-march=x86-64-v2", "-mfma") if _X86 else (), frozenset({"fma", "sse4_2"} if _X86 else ())),
@@ -236,14 +242,15 @@ def _bind(path: Path) -> Kernels:
 _TIER_WORDS = {
     "amx-bf16": "amx-bf16 (avx512-bf16, with AMX tiles for the bfloat16 linears and attention)",
     "avx512-bf16": "avx512-bf16",
-    "avx512": "avx512 (no bf16)",
+    "avx512-vnni": "avx512-vnni (no bf16)",
+    "avx512": "avx512 (no bf16, no vnni)",
     "avx2": "avx2+fma",
     "portable": "portable (no intrinsics)",
 }
 
 
 def describe() -> str:
-    """The kernels that run, for the startup log: 'avx512 (no bf16)', 'avx2+fma (BRINE_CPU_TIER)', or
+    """The kernels that run, for the startup log: 'avx512-vnni (no bf16)', 'avx2+fma (BRINE_CPU_TIER)', or
     'none (why)'."""
     kernels, why = load()
     if kernels is None:

@@ -175,7 +175,7 @@ def load_model(
 # The kernel tiers where `--quantize-activations auto` turns Q8 activations on: those it made faster, prefill and
 # decode (docs/benchmarks.md#q8-activations). Not AVX512-BF16, whose bfloat16 dot products are nearly as fast
 # (1.08x), nor the portable build, whose plain integer loops are no faster than its float ones (0.5-1.1x).
-Q8_AUTO_TIERS = frozenset({"avx512", "avx2"})
+Q8_AUTO_TIERS = frozenset({"avx512-vnni", "avx512", "avx2"})
 
 
 def linear_plan(

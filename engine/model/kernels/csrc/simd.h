@@ -33,6 +33,8 @@ namespace brine::simd {
 // The tier this file was compiled for, as the startup log and the tests name it.
 #if defined(BRINE_SIMD_DPBF16)
 constexpr const char* kTier = "avx512-bf16";
+#elif defined(BRINE_SIMD_AVX512) && defined(__AVX512VNNI__)
+constexpr const char* kTier = "avx512-vnni";
 #elif defined(BRINE_SIMD_AVX512)
 constexpr const char* kTier = "avx512";
 #elif defined(BRINE_SIMD_AVX2)
