@@ -5,8 +5,10 @@ What one request's step time costs (issue 12's targets), measured at the client 
 `/v1/completions` against servers that are already running:
 
 - **5-token TTFT**: a ~5-token prompt, `max_tokens=1`; a different prompt each time (nothing cached);
-- **warm TTFT**: a ~2,000-token prompt sent again right after itself (`max_tokens=1`); the first send of the
-  run is reported too (cold);
+- **warm TTFT**: a ~2,000-token prompt sent again right after itself (`max_tokens=1`);
+- **cold TTFT**: the first send of that prompt, and of `--cold-repeats` other ~2,000-token documents that share
+  no block with anything sent before (each starts with its own random id); the median of those sends. One send
+  alone moved a peer's figure by half between runs (vLLM CPU 2.1 s, then 3.2 s, on the same machine);
 - **decode tok/s**: one stream of `--decode-tokens` tokens with `ignore_eos` (llama-cpp-python has no
   `ignore_eos`: it gets `logit_bias` -100 on the EOS ids instead), tokens after the first over the time from
   the first to the last.
@@ -60,7 +62,7 @@ WARM_OVER_SHORT_TARGET = 1.5  # Brine's warm TTFT over its own 5-token TTFT
 class LatencyResult:
     server: str
     ttft_short: list[float] = field(default_factory=list)  # seconds
-    ttft_cold_long: float | None = None
+    ttft_cold_long: list[float] = field(default_factory=list)  # the first send of each distinct document
     ttft_warm: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     prompt_tokens_short: int | None = None  # from usage, where the server reports it
@@ -69,8 +71,6 @@ class LatencyResult:
 
     def median(self, measure: str) -> float | None:
         values = getattr(self, measure)
-        if values is None or isinstance(values, float):  # ttft_cold_long: one send, no median
-            return values
         return statistics.median(values) if values else None
 
 
@@ -123,6 +123,7 @@ async def measure(
     llama: str | None = None,
     eos_token_ids: list[int] = (),  # type: ignore[assignment]
     repeats: int = 5,
+    cold_repeats: int = 2,
     long_tokens: int = 2150,
     decode_tokens: int = 128,
     seed: int = 0,
@@ -131,7 +132,8 @@ async def measure(
 ) -> list[LatencyResult]:
     """Every measure on every server (name -> base URL). `llama`: the name of the llama-cpp-python server,
     which gets `logit_bias` on `eos_token_ids` in place of `ignore_eos`. `gap_s`: idle time before each
-    timed warm or 5-token request (0: back to back), for TTFT under sporadic traffic."""
+    timed warm or 5-token request (0: back to back), for TTFT under sporadic traffic. `cold_repeats`: documents
+    sent once each after the warm sends, for the cold TTFT's median."""
     long_prompt = document(random.Random(seed), long_tokens, "latency")
     results = {name: LatencyResult(name) for name in servers}
     async with httpx.AsyncClient(timeout=600) as client:
@@ -149,13 +151,19 @@ async def measure(
         async def warm(res: LatencyResult, url: str, model: str, _: bool) -> None:
             body = {"model": model, "prompt": long_prompt, "max_tokens": 1}
             first = await stream(client, url, body)
-            res.ttft_cold_long = first.token_times[0] if first.token_times else None
+            res.ttft_cold_long += first.token_times[:1]
             res.prompt_tokens_long = first.prompt_tokens
             for _ in range(repeats):
                 await asyncio.sleep(gap_s)
                 s = await stream(client, url, body)
                 if s.token_times:
                     res.ttft_warm.append(s.token_times[0])
+
+        async def cold(res: LatencyResult, url: str, model: str, _: bool) -> None:
+            for i in range(cold_repeats):  # after the warm sends: llama-cpp-python keeps only the last prompt
+                prompt = document(random.Random(f"{seed} cold {i}"), long_tokens, "latency, cold")
+                s = await stream(client, url, {"model": model, "prompt": prompt, "max_tokens": 1})
+                res.ttft_cold_long += s.token_times[:1]
 
         async def short(res: LatencyResult, url: str, model: str, _: bool) -> None:
             for i in range(repeats):
@@ -181,7 +189,7 @@ async def measure(
                 elif s.token_times[-1] > s.token_times[0]:
                     res.decode_tok_s.append((n - 1) / (s.token_times[-1] - s.token_times[0]))
 
-        for fn in (warm, short, decode):
+        for fn in (warm, cold, short, decode):
             await each(fn)
     return list(results.values())
 
@@ -237,11 +245,12 @@ def markdown(results: list[LatencyResult], brine: str, llama: str | None, vllm: 
         "## Single-request latency (issue 29's targets)",
         "",
         "Streamed `/v1/completions`, medians; 5-token TTFT: `max_tokens=1`, a new prompt each time; warm TTFT: a "
-        "~2,000-token prompt sent again right after itself; decode: one stream, `ignore_eos` (llama-cpp-python: "
+        "~2,000-token prompt sent again right after itself; cold TTFT: the median of the first sends of that prompt "
+        "and of other ~2,000-token documents (`--cold-repeats`); decode: one stream, `ignore_eos` (llama-cpp-python: "
         "`logit_bias` on EOS), tokens after the first over the time from the first to the last "
         "(`benchmarks/latency_bench.py`).",
         "",
-        "| server | 5-token TTFT | warm TTFT (~2k tokens) | cold TTFT (same prompt, first send) | "
+        "| server | 5-token TTFT | warm TTFT (~2k tokens) | cold TTFT (median of each prompt's first send) | "
         "decode tok/s | prompt tokens (short / long) |",
         "|---|---|---|---|---|---|",
     ]
@@ -249,7 +258,7 @@ def markdown(results: list[LatencyResult], brine: str, llama: str | None, vllm: 
         dec = r.median("decode_tok_s")
         lines.append(
             f"| {r.server} | {_ms(r.median('ttft_short'))} | {_ms(r.median('ttft_warm'))} | "
-            f"{_ms(r.ttft_cold_long)} | {'n/a' if dec is None else f'{dec:.1f}'} | "
+            f"{_ms(r.median('ttft_cold_long'))} | {'n/a' if dec is None else f'{dec:.1f}'} | "
             f"{r.prompt_tokens_short or 'n/a'} / {r.prompt_tokens_long or 'n/a'} |"
         )
     rat = ratios(results, brine, llama, vllm)
@@ -282,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
+        "--cold-repeats", type=int, default=2, help="distinct documents sent once, beside the first"
+    )
+    p.add_argument(
         "--long-tokens", type=int, default=2150, help="size of the long prompt (~2,000 real tokens)"
     )
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -299,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
             llama=args.llama,
             eos_token_ids=[int(t) for t in args.eos_token_ids.split(",") if t],
             repeats=args.repeats,
+            cold_repeats=args.cold_repeats,
             long_tokens=args.long_tokens,
             decode_tokens=args.decode_tokens,
             seed=args.seed,
