@@ -185,7 +185,9 @@ def test_the_attention_matches_a_float64_reference_and_keeps_a_rows_bits(tier, d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "heads,window", [((9, 3), None), ((8, 2), None), ((8, 2), 50)], ids=["gqa3", "gqa4", "gqa4-window"]
+    "heads,window",
+    [((9, 3), None), ((8, 2), None), ((8, 2), 50), ((10, 2), 50)],
+    ids=["gqa3", "gqa4", "gqa4-window", "gqa5-window"],
 )
 def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_inside_a_prompt(
     tier, dtype, heads, window
@@ -195,7 +197,10 @@ def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_
     further from the end of a longer query take the row-lanes one: the same bits either way, on 1 and 2
     threads, and right. Its value walk shares each value load among a few rows (kKeyValueRows: 3 on AVX2, 4 on
     AVX512); with 4 query heads per KV head, or 3, one of the tiers' groups holds rows of two tokens, which see
-    different keys (one more at the end; with a window, one less at the start)."""
+    different keys (one more at the end; with a window, one less at the start). The row-lanes path takes up to
+    three groups of 16 rows at once on AVX512 (kLaneGroups): 5 query heads per KV head make items of 80 rows
+    inside the prompt (three groups, then two) where the 13- and 9-token queries make 65 and 45 (three and
+    two, and three)."""
     from test_native_attention import TOL, Paged, _on_one_and_more_threads, _run
 
     from engine.model.attention.native import NativeBackend
