@@ -32,6 +32,15 @@ constexpr int kQ8Rows = 8;
 #else
 constexpr int kQ8Rows = 4;
 #endif
+// Tiles (16 columns each) a row group takes at once. AVX512: two, 16 integer sums in registers, so each row's input
+// broadcast (a load) feeds two dot products, not one: a thread's loads had kept the loop at ~half the dot
+// products' peak (a standalone copy of the loop, in L1, on the AMX Xeon: 4.0 -> 5.0 G vpdpbusd/s). AVX2's 16 ymm
+// hold one tile's (two ymm per row), and the portable build has no such loop.
+#if defined(BRINE_SIMD_AVX512)
+constexpr int kQ8Tiles = 2;
+#else
+constexpr int kQ8Tiles = 1;
+#endif
 
 // x as Q8, in row groups (RowGroups: a group's rows are r0 .. r0 + R - 1): the group's blocks one after the
 // other, each as its R rows' 32 bytes, so the kernel reads one stream at constant offsets from one pointer (it
@@ -217,7 +226,7 @@ inline void quad_weights(const uint8_t* qs, bool int8, int j, Q8Isa::I* wj) {
 }
 
 // One row group against one tile's unpacked blocks (panel: blocks x kQ8Block), with the header's arithmetic.
-// Registers: a group's integer sums (R x kVecs) and a quad's weight vectors stay in registers through the quad
+// Registers: a group's integer sums (R x kVecs x kTiles) and a quad's weight vectors stay in registers through the quad
 // loop; the float totals live in memory, read and written once per block and segment (AVX2's 16 registers
 // cannot hold both). A block's two scales (halves) are two segments, each finished before the next starts.
 // The float steps per row and column are the header's, in its order, so every tier has the same bits.
@@ -226,16 +235,22 @@ inline void quad_weights(const uint8_t* qs, bool int8, int j, Q8Isa::I* wj) {
 // (quad_weights), instead of from a panel unpack_q8 wrote: for a step of one row group (a decode, a warm
 // prompt's last token), whose panel would be read once, that saves the panel's stores and loads. The same
 // vectors, so the same sums and bits.
-template <int R, bool kInt8, int kSegments, bool kDirect = false>
+//
+// kTiles: tiles tile .. tile + kTiles - 1 at once, their panels one after the other (x.blocks x kQ8Block apart):
+// each row's broadcast input then feeds a dot product per tile (kQ8Tiles). Per column the same operations in the
+// same order as one tile at a time, so the same bits.
+template <int R, bool kInt8, int kSegments, bool kDirect = false, int kTiles = 1>
 void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
     using I = Q8Isa::I;
     constexpr int kV = Q8Isa::kVecs, kPer = kQuads / kSegments, kLane = kTile / kV;
+    static_assert(!kDirect || kTiles == 1, "kDirect reads one tile's records");
     const bool min = a.kind.min();
     const int64_t bytes = a.kind.bytes(), scales_bytes = a.kind.scales_bytes();
-    alignas(64) float tot[R][kTile] = {};
+    const int64_t panel_bytes = x.blocks * kQ8Block;
+    alignas(64) float tot[kTiles][R][kTile] = {};
     alignas(64) float direct_scales[2 * kTile];
     for (int64_t b = 0; b < x.blocks; ++b) {
-        const uint8_t* w = kDirect ? panel + b * bytes : panel + b * kQ8Block;
+        const uint8_t* w = kDirect ? panel + b * bytes : panel + b * kQ8Block;  // tile i's: w + i panel_bytes
         const float* scales = reinterpret_cast<const float*>(w + kQ8Scales);
         if constexpr (kDirect) {
             prefetch_record(w, a.kind);
@@ -246,58 +261,75 @@ void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t
         const float* dx_b = x.d + x.at(r0, R, r0, b);          // its scale: dx_b[r]
         const float* sx_b = x.s + x.at(r0, R, r0, b);
         for (int s = 0; s < kSegments; ++s) {
-            I acc[R][kV];
-            for (int r = 0; r < R; ++r)
-                for (int c = 0; c < kV; ++c) acc[r][c] = Q8Isa::zero();
+            I acc[kTiles][R][kV];
+            for (int i = 0; i < kTiles; ++i)
+                for (int r = 0; r < R; ++r)
+                    for (int c = 0; c < kV; ++c) acc[i][r][c] = Q8Isa::zero();
 #pragma GCC unroll 8
             for (int j = s * kPer; j < (s + 1) * kPer; ++j) {
-                I wj[kV];
+                I wj[kTiles][kV];
                 if constexpr (kDirect)
-                    quad_weights(w + scales_bytes, kInt8, j, wj);
+                    quad_weights(w + scales_bytes, kInt8, j, wj[0]);
                 else
-                    for (int c = 0; c < kV; ++c) wj[c] = Q8Isa::load(w + 64 * j + 32 * c);
+                    for (int i = 0; i < kTiles; ++i)
+                        for (int c = 0; c < kV; ++c) wj[i][c] = Q8Isa::load(w + i * panel_bytes + 64 * j + 32 * c);
                 for (int r = 0; r < R; ++r) {
                     int32_t four;
                     std::memcpy(&four, xb + kBlock * r + 4 * j, 4);
                     const I xv = Q8Isa::broadcast(four);
-                    for (int c = 0; c < kV; ++c) {
-                        // 4-bit q: 8 int16 pair sums of <= 2 x 15 x 127 each fit (30480), widened per block
-                        acc[r][c] = kInt8 ? Q8Isa::s8(acc[r][c], wj[c], xv) : Q8Isa::u4(acc[r][c], wj[c], xv);
-                        // Integer sums reassociate freely, and GCC turned each chain into a tree whose products
-                        // were all live at once (spilled to the stack); an empty asm keeps the sum a register.
-                        asm("" : "+x"(acc[r][c]));
-                    }
+                    for (int i = 0; i < kTiles; ++i)
+                        for (int c = 0; c < kV; ++c) {
+                            // 4-bit q: 8 int16 pair sums of <= 2 x 15 x 127 each fit (30480), widened per block
+                            acc[i][r][c] = kInt8 ? Q8Isa::s8(acc[i][r][c], wj[i][c], xv)
+                                                 : Q8Isa::u4(acc[i][r][c], wj[i][c], xv);
+                            // Integer sums reassociate freely, and GCC turned each chain into a tree whose
+                            // products were all live at once (spilled to the stack); an empty asm keeps the sum a
+                            // register ("v": any of AVX512's 32, where "x" is the first 16).
+#if defined(BRINE_SIMD_AVX512)
+                            asm("" : "+v"(acc[i][r][c]));
+#else
+                            asm("" : "+x"(acc[i][r][c]));
+#endif
+                        }
                 }
             }
-            for (int r = 0; r < R; ++r) {
-                const Q8Isa::F dx = Q8Isa::set1(dx_b[r]);
-                for (int c = 0; c < kV; ++c) {
-                    const I p = kInt8 || Q8Isa::kWide ? acc[r][c] : Q8Isa::widen(acc[r][c]);
-                    const Q8Isa::F d = Q8Isa::loadf(scales + s * kTile + kLane * c);  // d, or d0 then d1
-                    float* t = tot[r] + kLane * c;
-                    Q8Isa::storef(t, Q8Isa::fmadd(Q8Isa::mul(d, dx), Q8Isa::to_float(p), Q8Isa::loadf(t)));
+            for (int i = 0; i < kTiles; ++i) {
+                const float* sc = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scales) + i * panel_bytes);
+                for (int r = 0; r < R; ++r) {
+                    const Q8Isa::F dx = Q8Isa::set1(dx_b[r]);
+                    for (int c = 0; c < kV; ++c) {
+                        const I p = kInt8 || Q8Isa::kWide ? acc[i][r][c] : Q8Isa::widen(acc[i][r][c]);
+                        const Q8Isa::F d = Q8Isa::loadf(sc + s * kTile + kLane * c);  // d, or d0 then d1
+                        float* t = tot[i][r] + kLane * c;
+                        Q8Isa::storef(t, Q8Isa::fmadd(Q8Isa::mul(d, dx), Q8Isa::to_float(p), Q8Isa::loadf(t)));
+                    }
                 }
             }
         }
         if (min)
-            for (int r = 0; r < R; ++r) {
-                const Q8Isa::F sx = Q8Isa::set1(sx_b[r]);
-                for (int c = 0; c < kV; ++c) {
-                    float* t = tot[r] + kLane * c;
-                    Q8Isa::storef(t, Q8Isa::fmadd(Q8Isa::loadf(scales + kTile + kLane * c), sx, Q8Isa::loadf(t)));
+            for (int i = 0; i < kTiles; ++i) {
+                const float* sc = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scales) + i * panel_bytes);
+                for (int r = 0; r < R; ++r) {
+                    const Q8Isa::F sx = Q8Isa::set1(sx_b[r]);
+                    for (int c = 0; c < kV; ++c) {
+                        float* t = tot[i][r] + kLane * c;
+                        Q8Isa::storef(t, Q8Isa::fmadd(Q8Isa::loadf(sc + kTile + kLane * c), sx, Q8Isa::loadf(t)));
+                    }
                 }
             }
     }
-    VF total[R];
-    for (int r = 0; r < R; ++r) total[r] = vload(tot[r]);
-    store_rows<R>(a, total, tile, r0);
+    for (int i = 0; i < kTiles; ++i) {
+        VF total[R];
+        for (int r = 0; r < R; ++r) total[r] = vload(tot[i][r]);
+        store_rows<R>(a, total, tile + i, r0);
+    }
 }
 
-template <int R, bool kDirect = false>
+template <int R, bool kDirect = false, int kTiles = 1>
 void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
-    if (!a.kind.int8()) group_q8_simd<R, false, 1, kDirect>(a, x, panel, tile, r0);
-    else if (!a.kind.halves()) group_q8_simd<R, true, 1, kDirect>(a, x, panel, tile, r0);
-    else group_q8_simd<R, true, 2, kDirect>(a, x, panel, tile, r0);
+    if (!a.kind.int8()) group_q8_simd<R, false, 1, kDirect, kTiles>(a, x, panel, tile, r0);
+    else if (!a.kind.halves()) group_q8_simd<R, true, 1, kDirect, kTiles>(a, x, panel, tile, r0);
+    else group_q8_simd<R, true, 2, kDirect, kTiles>(a, x, panel, tile, r0);
 }
 constexpr bool kQ8Direct = true;
 #else
@@ -323,9 +355,10 @@ inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, in
     }
 }
 
-template <int R, bool kDirect = false>
+template <int R, bool kDirect = false, int kTiles = 1>
 void group_q8(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t tile, int64_t r0) {
     static_assert(!kDirect, "the portable panel is no reordering of the records (kQ8Direct)");
+    static_assert(kTiles == 1, "the portable build takes one tile at a time (kQ8Tiles)");
     VF total[R];
     for (int r = 0; r < R; ++r) total[r] = vzero();
     const bool halves = a.kind.halves(), min = a.kind.min();
@@ -403,18 +436,27 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
         } else {
             // A thread's tile of unpacked blocks, kept across calls as the float path's panels are (kQ8Block is
             // 10 VF-sized, 64-byte units)
+            // (kQ8Tiles of them, one after the other).
             static thread_local Panel storage;
-            uint8_t* panel = reinterpret_cast<uint8_t*>(storage.resize(blocks * kQ8Block / sizeof(VF)));
-            for (int64_t t = tiles * me / team; t < tiles * (me + 1) / team; ++t) {
-                const uint8_t* rec = w + t * blocks * bytes;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    prefetch_record(rec + b * bytes, a.kind);
-                    unpack_q8(rec + b * bytes, a.kind, panel + b * kQ8Block);
+            uint8_t* panel = reinterpret_cast<uint8_t*>(storage.resize(kQ8Tiles * blocks * kQ8Block / sizeof(VF)));
+            const int64_t t_end = tiles * (me + 1) / team;
+            for (int64_t t = tiles * me / team; t < t_end;) {
+                const int n = static_cast<int>(std::min<int64_t>(kQ8Tiles, t_end - t));
+                for (int i = 0; i < n; ++i) {
+                    const uint8_t* rec = w + (t + i) * blocks * bytes;
+                    for (int64_t b = 0; b < blocks; ++b) {
+                        prefetch_record(rec + b * bytes, a.kind);
+                        unpack_q8(rec + b * bytes, a.kind, panel + (i * blocks + b) * kQ8Block);
+                    }
                 }
                 for (int64_t g = 0; g < groups.count; ++g) {
                     const int64_t r0 = groups.first(g);
-                    with_rows<1, kQ8Rows>(groups.rows(g), [&](auto R) { group_q8<R.value>(a, q, panel, t, r0); });
+                    with_rows<1, kQ8Rows>(groups.rows(g), [&](auto R) {
+                        if (n == kQ8Tiles) group_q8<R.value, false, kQ8Tiles>(a, q, panel, t, r0);
+                        else group_q8<R.value>(a, q, panel, t, r0);
+                    });
                 }
+                t += n;
             }
         }
     }
