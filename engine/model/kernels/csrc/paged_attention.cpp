@@ -891,7 +891,7 @@ inline void lane_scores(const float* const* qT, const float* kb, float* const* s
         for (int j = 0; j < N; ++j) vstore(s[g] + j * kLanes, acc[g * N + j]);
 }
 
-// Output dims d0 .. d0 + N of the group's rows over blocks [b0, b1) of the item's [w_lo, b_hi): o[i] = fma(p[key],
+// Output dims d0 .. d0 + N of the groups' rows over blocks [b0, b1) of the item's [w_lo, b_hi): o[i] = fma(p[key],
 // v[key][d0 + i], o[i]) key by key, keys a lane does not see left out, continuing from acc's sums unless b0 is the
 // item's first block. The caller walks the blocks in runs of kValueBlocks, each run for every chunk of dims, so
 // that a run's values come from memory once (the first chunk's walk, which also asks for the blocks ahead) and

@@ -226,9 +226,9 @@ inline void quad_weights(const uint8_t* qs, bool int8, int j, Q8Isa::I* wj) {
 }
 
 // One row group against one tile's unpacked blocks (panel: blocks x kQ8Block), with the header's arithmetic.
-// Registers: a group's integer sums (R x kVecs x kTiles) and a quad's weight vectors stay in registers through the quad
-// loop; the float totals live in memory, read and written once per block and segment (AVX2's 16 registers
-// cannot hold both). A block's two scales (halves) are two segments, each finished before the next starts.
+// Registers: a group's integer sums (R x kVecs per tile) and a quad's weight vectors stay in registers through
+// the quad loop; the float totals live in memory, read and written once per block and segment (AVX2's 16
+// registers cannot hold both). A block's two scales (halves) are two segments, each finished before the next starts.
 // The float steps per row and column are the header's, in its order, so every tier has the same bits.
 //
 // kDirect: the weights come from the tile's records as stored (rec), each quad made in registers as it is used
@@ -260,6 +260,9 @@ void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t
         const int8_t* xb = x.q + x.at(r0, R, r0, b) * kBlock;  // row r0 + r's block: xb + 32 r
         const float* dx_b = x.d + x.at(r0, R, r0, b);          // its scale: dx_b[r]
         const float* sx_b = x.s + x.at(r0, R, r0, b);
+        const auto tile_scales = [&](int i) {  // tile i's d and m (or d0 and d1)
+            return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scales) + i * panel_bytes);
+        };
         for (int s = 0; s < kSegments; ++s) {
             I acc[kTiles][R][kV];
             for (int i = 0; i < kTiles; ++i)
@@ -294,7 +297,7 @@ void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t
                 }
             }
             for (int i = 0; i < kTiles; ++i) {
-                const float* sc = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scales) + i * panel_bytes);
+                const float* sc = tile_scales(i);
                 for (int r = 0; r < R; ++r) {
                     const Q8Isa::F dx = Q8Isa::set1(dx_b[r]);
                     for (int c = 0; c < kV; ++c) {
@@ -308,7 +311,7 @@ void group_q8_simd(const Args& a, const Q8Rows& x, const uint8_t* panel, int64_t
         }
         if (min)
             for (int i = 0; i < kTiles; ++i) {
-                const float* sc = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scales) + i * panel_bytes);
+                const float* sc = tile_scales(i);
                 for (int r = 0; r < R; ++r) {
                     const Q8Isa::F sx = Q8Isa::set1(sx_b[r]);
                     for (int c = 0; c < kV; ++c) {
@@ -434,9 +437,8 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
                     group_q8<R.value, kQ8Direct>(a, q, w + t * blocks * bytes, t, 0);
                 });
         } else {
-            // A thread's tile of unpacked blocks, kept across calls as the float path's panels are (kQ8Block is
-            // 10 VF-sized, 64-byte units)
-            // (kQ8Tiles of them, one after the other).
+            // A thread's kQ8Tiles tiles of unpacked blocks, one after the other, kept across calls as the float
+            // path's panels are (kQ8Block is 10 VF-sized, 64-byte units)
             static thread_local Panel storage;
             uint8_t* panel = reinterpret_cast<uint8_t*>(storage.resize(kQ8Tiles * blocks * kQ8Block / sizeof(VF)));
             const int64_t t_end = tiles * (me + 1) / team;
