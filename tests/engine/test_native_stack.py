@@ -136,6 +136,38 @@ def test_a_step_run_between_two_layers_changes_no_bit_of_either(tiny_model, page
     assert not torch.equal(straight[0][:9], alone[0])  # two different steps, not a constant
 
 
+def test_the_stack_reuses_its_scratch_and_a_reused_buffer_changes_no_bit(tiny_model, paged):
+    """The stack keeps its step scratch (a 2,000-token prefill's is ~64 MiB, which malloc would map afresh,
+    page fault by page fault, every step): a later step of any size takes the smallest kept buffer it fits in,
+    a step run inside another's takes its own, at most two are kept, and the outputs are those of a stack
+    that never ran before."""
+    kernels = _kernels()
+    model = _quantized_tiny(tiny_model, torch.float32, kernels)
+    reused, fresh = (NativeStack.build(model, NativeBackend(kernels))[0] for _ in range(2))
+    assert reused is not None and fresh is not None
+    long, short = [(7 * i + 1) % 128 for i in range(24)], [(3 * i + 5) % 128 for i in range(9)]
+
+    def step(stack: NativeStack, tokens: list[int], hook=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        p = paged(model, block_size=16, backend=NativeBackend(kernels), stack=stack)
+        return p.step([(tokens, 0, p.table_for(len(tokens)))], hook)[0]
+
+    def kept() -> list[int]:
+        return [b.data_ptr() for b in reused._spare]
+
+    assert torch.equal(step(reused, long), step(fresh, long))
+    (big,) = kept()
+    assert torch.equal(step(reused, short), step(fresh, short)), isa_summary()  # in the long step's buffer
+    assert kept() == [big]
+    inner: list[torch.Tensor] = []
+    outer = step(reused, long, lambda: inner.append(step(reused, short)) if not inner else None)
+    assert torch.equal(outer, step(fresh, long)) and torch.equal(inner[0], step(fresh, short))
+    assert len(kept()) == 2 and kept()[0] == big  # the inner step's own buffer, kept beside the long one
+    small = kept()[1]
+    assert torch.equal(step(reused, short), step(fresh, short))  # the smallest that fits: the inner one's
+    assert kept() == [big, small]
+    assert not torch.equal(outer[:9], inner[0])  # two different steps, not a constant
+
+
 def test_the_stack_steps_aside_where_a_piece_has_no_kernel(tiny_model, caplog):
     kernels = _kernels()
     from engine.config import EngineConfig

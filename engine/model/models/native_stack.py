@@ -3,7 +3,7 @@
 Why: with quantized linears, fused elementwise kernels and the native attention, a layer is ~10 kernel calls,
 and on one row each call's Python side (module dispatch, allocation, ctypes' argument conversion) cost about
 as much as its arithmetic: a fifth of a decode step (benchmarks/profile_step.py shows it). The stack runs the same kernels in the same order
-on the same arguments, from C, with one allocation per step; the bits are those of the Python path, which
+on the same arguments, from C, on scratch kept from step to step; the bits are those of the Python path, which
 stays for everything else (CUDA, float16, Qwen3's q/k norms, dense linears, other attention backends).
 
 `NativeStack.build(model, backend)` says whether it applies (None, with the reason, where not); the runner
@@ -12,13 +12,13 @@ layer as written here and would skip any change a variant makes in Python. `run(
 `LlamaForCausalLM.forward` (the runner hands it over in the step's ForwardContext) and returns the final norm
 of every row. Where the context carries `between_layers`, the layers run one call per layer with the hook
 called between them (the same kernels in the same order: the same bits); the hook may run another step's
-`run()` meanwhile, so each call builds its own argument record and scratch.
+`run()` meanwhile, so each call builds its own argument record and takes a scratch buffer no other call holds.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -106,6 +106,8 @@ class NativeStack:
                 attn.sliding_window or 0,
             )
         self._caches: tuple[int, ...] = ()  # the cache pointers the layers were last given
+        # Scratch buffers that no running call holds, kept from one step to the next (see _take_scratch)
+        self._spare: list[torch.Tensor] = []
         self.args = _Args(
             FLOAT32_BF16_CODES[self.dtype],
             FLOAT32_BF16_CODES[self.dtype],  # kv_dtype: set per call from the caches
@@ -185,12 +187,53 @@ class NativeStack:
         slots = slots.contiguous()
         q_size, inter = self.heads * d, self.intermediate
         qkv_n = q_size + 2 * self.kv_heads * d
-        # One allocation for the step's scratch: [T, width] per buffer, side by side.
-        widths = (self.hidden, qkv_n, q_size, q_size, self.hidden, 2 * inter, inter, self.hidden)
-        scratch = torch.empty(t * sum(widths), dtype=self.dtype)
-        x, qkv, q, o, attn, gate_up, act, mlp = scratch.split([t * w for w in widths])
+        # The step's scratch, [T, width] per buffer side by side, from the kept ones; x, returned, is its own.
+        x = torch.empty(t * self.hidden, dtype=self.dtype)
+        widths = (qkv_n, q_size, q_size, self.hidden, 2 * inter, inter, self.hidden)
+        scratch = self._take_scratch(t * sum(widths))
+        try:
+            self._run(x, scratch[: t * sum(widths)], widths, h, cos, sin, slots, plan, k_caches, ctx)
+        finally:
+            self._give_back(scratch)
+        return x.view(t, self.hidden)
+
+    # Spare buffers kept (the largest): a step and a short one the between_layers hook runs inside it.
+    _KEPT = 2
+
+    def _take_scratch(self, numel: int) -> torch.Tensor:
+        """A buffer of at least `numel` elements that no other running call holds. Why kept: a 2,000-token
+        prefill's scratch is ~64 MiB, which malloc maps fresh and unmaps after each step, so every step paid
+        a page fault per 4 KiB on first write: ~17,000 of them, 0.1-0.2 s of a 1.2-1.4 s cold prefill on the
+        2-core Firecracker VM this was measured on (the default model, Q8 activations, float16 KV). The kernels write every element they read, so a kept buffer's
+        old contents never reach an output."""
+        fits = [i for i, b in enumerate(self._spare) if b.numel() >= numel]
+        if not fits:
+            return torch.empty(numel, dtype=self.dtype)
+        # (by index: list.remove compares tensors elementwise)
+        return self._spare.pop(min(fits, key=lambda i: self._spare[i].numel()))
+
+    def _give_back(self, scratch: torch.Tensor) -> None:
+        self._spare.append(scratch)
+        self._spare.sort(key=lambda b: b.numel(), reverse=True)
+        del self._spare[self._KEPT :]
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        scratch: torch.Tensor,
+        widths: tuple[int, ...],
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        plan: NativePlan,
+        k_caches: Sequence[torch.Tensor],
+        ctx: ForwardContext,
+    ) -> None:
+        t = h.shape[0]
+        qkv, q, o, attn, gate_up, act, mlp = scratch.split([t * w for w in widths])
         a = _Args.from_buffer_copy(self.args)  # this call's own: a step run by the hook sets its own
-        a.kv_dtype = DTYPE_CODES[kv_dtype]
+        a.kv_dtype = DTYPE_CODES[k_caches[0].dtype]
         a.block_size = k_caches[0].shape[1]
         a.tokens = t
         a.h, a.x, a.cos, a.sin, a.slots = (
@@ -217,4 +260,3 @@ class NativeStack:
                     f"layer {rc - 1}'s arguments" if rc > 0 else f"the layer range [{first}, {a.end_layer})"
                 )
                 raise RuntimeError(f"the native decoder stack refused {where}")
-        return x.view(t, self.hidden)
