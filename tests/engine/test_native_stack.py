@@ -137,34 +137,38 @@ def test_a_step_run_between_two_layers_changes_no_bit_of_either(tiny_model, page
 
 
 def test_the_stack_reuses_its_scratch_and_a_reused_buffer_changes_no_bit(tiny_model, paged):
-    """The stack keeps its step scratch (a 2,000-token prefill's is ~64 MiB, which malloc would map afresh,
-    page fault by page fault, every step): a later step of any size takes the smallest kept buffer it fits in,
-    a step run inside another's takes its own, at most two are kept, and the outputs are those of a stack
-    that never ran before."""
+    """The stack keeps its step scratch (a 2,000-token prefill's is ~60 MiB, which malloc would map afresh,
+    page fault by page fault, every step): a new buffer's rows are rounded up (here to 8), a later step takes the
+    smallest kept buffer it fits in, a step run inside another's takes its own, at most two are kept, and the
+    outputs are those of a stack that never ran before."""
     kernels = _kernels()
     model = _quantized_tiny(tiny_model, torch.float32, kernels)
     reused, fresh = (NativeStack.build(model, NativeBackend(kernels))[0] for _ in range(2))
     assert reused is not None and fresh is not None
+    reused._ROWS = 8  # the tiny model's positions end long before the default's 256
     long, short = [(7 * i + 1) % 128 for i in range(24)], [(3 * i + 5) % 128 for i in range(9)]
 
     def step(stack: NativeStack, tokens: list[int], hook=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
         p = paged(model, block_size=16, backend=NativeBackend(kernels), stack=stack)
         return p.step([(tokens, 0, p.table_for(len(tokens)))], hook)[0]
 
-    def kept() -> list[int]:
-        return [b.data_ptr() for b in reused._spare]
+    def kept() -> list[tuple[int, int]]:
+        return [(b.data_ptr(), b.numel()) for b in reused._spare]
 
-    assert torch.equal(step(reused, long), step(fresh, long))
-    (big,) = kept()
-    assert torch.equal(step(reused, short), step(fresh, short)), isa_summary()  # in the long step's buffer
-    assert kept() == [big]
+    assert torch.equal(step(reused, long[:20]), step(fresh, long[:20]))
+    ((big, rows_x_width),) = kept()
+    assert rows_x_width % 24 == 0 and rows_x_width // 24 > 100  # 24 rows (20 rounded up) of every buffer
+    assert torch.equal(step(reused, long), step(fresh, long)), isa_summary()  # a longer step, the same buffer
+    assert torch.equal(step(reused, short), step(fresh, short))  # a short one too
+    assert kept() == [(big, rows_x_width)]
     inner: list[torch.Tensor] = []
     outer = step(reused, long, lambda: inner.append(step(reused, short)) if not inner else None)
     assert torch.equal(outer, step(fresh, long)) and torch.equal(inner[0], step(fresh, short))
-    assert len(kept()) == 2 and kept()[0] == big  # the inner step's own buffer, kept beside the long one
+    assert len(kept()) == 2 and kept()[0] == (big, rows_x_width)  # the inner step's own buffer, kept beside
     small = kept()[1]
+    assert small[1] == rows_x_width // 24 * 16  # 16 rows
     assert torch.equal(step(reused, short), step(fresh, short))  # the smallest that fits: the inner one's
-    assert kept() == [big, small]
+    assert kept() == [(big, rows_x_width), small]
     assert not torch.equal(outer[:9], inner[0])  # two different steps, not a constant
 
 

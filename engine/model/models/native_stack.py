@@ -190,7 +190,7 @@ class NativeStack:
         # The step's scratch, [T, width] per buffer side by side, from the kept ones; x, returned, is its own.
         x = torch.empty(t * self.hidden, dtype=self.dtype)
         widths = (qkv_n, q_size, q_size, self.hidden, 2 * inter, inter, self.hidden)
-        scratch = self._take_scratch(t * sum(widths))
+        scratch = self._take_scratch(t, sum(widths))
         try:
             self._run(x, scratch[: t * sum(widths)], widths, h, cos, sin, slots, plan, k_caches, ctx)
         finally:
@@ -199,16 +199,20 @@ class NativeStack:
 
     # Spare buffers kept (the largest): a step and a short one the between_layers hook runs inside it.
     _KEPT = 2
+    # A new buffer's rows, rounded up to a multiple of this: prompts a few tokens apart then share one (a buffer
+    # only a step's exact size was replaced, mapped afresh, by most cold prompts of a run)
+    _ROWS = 256
 
-    def _take_scratch(self, numel: int) -> torch.Tensor:
-        """A buffer of at least `numel` elements that no other running call holds. Why kept: a 2,000-token
-        prefill's scratch is ~64 MiB, which malloc maps fresh and unmaps after each step, so every step paid
-        a page fault per 4 KiB on first write: ~17,000 of them, 0.1-0.2 s of a 1.2-1.4 s cold prefill on the
-        2-core Firecracker VM this was measured on (the default model, Q8 activations, float16 KV). The kernels write every element they read, so a kept buffer's
-        old contents never reach an output."""
-        fits = [i for i, b in enumerate(self._spare) if b.numel() >= numel]
+    def _take_scratch(self, rows: int, width: int) -> torch.Tensor:
+        """A buffer of at least `rows` x `width` elements that no other running call holds. Why kept: a
+        2,000-token prefill's scratch is ~60 MiB, which malloc maps fresh and unmaps after each step, so every
+        step paid a page fault per 4 KiB on first write: ~15,000 of them, 0.1-0.2 s of a 1.2-1.4 s cold
+        prefill on the 2-core Firecracker VM this was measured on (the default model, Q8 activations, float16
+        KV). The kernels write every element they read, so a kept buffer's old contents never reach an
+        output."""
+        fits = [i for i, b in enumerate(self._spare) if b.numel() >= rows * width]
         if not fits:
-            return torch.empty(numel, dtype=self.dtype)
+            return torch.empty(-(-rows // self._ROWS) * self._ROWS * width, dtype=self.dtype)
         # (by index: list.remove compares tensors elementwise)
         return self._spare.pop(min(fits, key=lambda i: self._spare[i].numel()))
 
