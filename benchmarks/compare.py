@@ -48,6 +48,7 @@ from benchmarks.latency_bench import LatencyResult
 from benchmarks.latency_bench import markdown as latency_markdown
 from benchmarks.latency_bench import measure as latency_measure
 from benchmarks.latency_bench import ratios as latency_ratios
+from benchmarks.quiet import wait_quiet
 from benchmarks.report import charts, markdown, ratios, summarize
 from benchmarks.results import WorkloadResult, to_json
 from benchmarks.serve_bench import run_workload
@@ -459,7 +460,8 @@ def bench_all(
                 _, llama = latency_roles(alive)
                 got = asyncio.run(latency_measure(
                     {s.name: s.base_url for s in alive}, llama=llama, seed=args.seed,
-                    eos_token_ids=default_eos_token_ids() if llama else [], **PRESETS[args.preset][name],
+                    eos_token_ids=default_eos_token_ids() if llama else [], quiet_s=args.quiet_wait,
+                    **PRESETS[args.preset][name],
                 ))  # fmt: skip
                 for s in alive:
                     check(s, "`latency`")
@@ -474,6 +476,7 @@ def bench_all(
                     notes.append(f"time budget spent: {spec.name} {name} skipped")
                     continue
                 wl = build(name, args.seed, **PRESETS[args.preset][name])
+                asyncio.run(wait_quiet(max_wait_s=args.quiet_wait))  # the server before may still be busy
                 run = run_workload(spec.base_url, wl, server=spec.name, api_key=spec.api_key,
                                    time_limit_s=min(args.time_limit, left))  # fmt: skip
                 try:
@@ -517,6 +520,10 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--time-limit", type=float, default=240.0, help="per workload: no request starts after it")
     p.add_argument("--budget", type=float, default=1140.0, help="whole run (s): later workloads are skipped")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--quiet-wait", type=float, default=5.0,
+        help="before each server's turn, at most this long (s) for the CPUs to go idle (benchmarks/quiet.py)",
+    )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default=dt.date.today().isoformat(), help="output file stem")
     args = p.parse_args(argv)

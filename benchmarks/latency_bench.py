@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from benchmarks.quiet import wait_quiet
 from benchmarks.workloads import document
 
 # (measure, target as text, test on the ratio): issue 29's targets for Brine over each peer, measured in one
@@ -129,11 +130,13 @@ async def measure(
     seed: int = 0,
     model: str | None = None,
     gap_s: float = 0.0,
+    quiet_s: float = 5.0,
 ) -> list[LatencyResult]:
     """Every measure on every server (name -> base URL). `llama`: the name of the llama-cpp-python server,
     which gets `logit_bias` on `eos_token_ids` in place of `ignore_eos`. `gap_s`: idle time before each
     timed warm or 5-token request (0: back to back), for TTFT under sporadic traffic. `cold_repeats`: documents
-    sent once each after the warm sends, for the cold TTFT's median."""
+    sent once each after the warm sends, for the cold TTFT's median. `quiet_s`: the longest wait, before each
+    server's turn at each measure, for the CPUs to go idle (benchmarks/quiet.py; 0: none)."""
     long_prompt = document(random.Random(seed), long_tokens, "latency")
     results = {name: LatencyResult(name) for name in servers}
     async with httpx.AsyncClient(timeout=600) as client:
@@ -143,6 +146,7 @@ async def measure(
 
         async def each(fn) -> None:  # type: ignore[no-untyped-def]
             for name, url in servers.items():
+                await wait_quiet(max_wait_s=quiet_s)  # the server before may still be busy
                 try:
                     await fn(results[name], url.rstrip("/"), models[name], name == llama)
                 except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as exc:
@@ -301,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--gap-ms", type=float, default=0.0, help="idle time before each timed TTFT request (default: none)"
     )
+    p.add_argument(
+        "--quiet-wait", type=float, default=5.0, help="at most this long (s) for idle CPUs before each turn"
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     servers = dict(s.split("=", 1) for s in args.server)
@@ -316,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
             decode_tokens=args.decode_tokens,
             seed=args.seed,
             gap_s=args.gap_ms / 1000,
+            quiet_s=args.quiet_wait,
         )
     )
     print(markdown(results, brine, args.llama, args.vllm))

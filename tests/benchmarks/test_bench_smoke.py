@@ -225,7 +225,7 @@ def test_stream_cut_short_without_finish_reason_is_a_failed_request() -> None:
 def test_compare_writes_report_json_and_charts(fake, tmp_path: Path) -> None:  # noqa: ANN001
     url, _ = fake
     md_path = compare.main(["--external", f"fake={url}", "--preset", "tiny", "--out-dir", str(tmp_path),
-                            "--name", "smoke"])  # fmt: skip
+                            "--name", "smoke", "--quiet-wait", "0"])  # fmt: skip
     md = md_path.read_text()
     for name in (*WORKLOADS, "prefix-sweep", "noisy-neighbour"):
         assert f"| {name} | fake |" in md
@@ -352,7 +352,12 @@ def test_a_server_that_dies_is_reported_and_not_waited_for(tmp_path: Path) -> No
     cmd = [sys.executable, "-c", DYING_SERVER, str(port), "1"]  # the warm-up lives, the first workload kills
     spec = compare.ServerSpec("llama-cpp-python 0.0.0", f"http://127.0.0.1:{port}", cmd)
     args = argparse.Namespace(
-        workloads=["unique", "isolation"], preset="tiny", seed=1, time_limit=600.0, startup_timeout=60.0
+        workloads=["unique", "isolation"],
+        preset="tiny",
+        seed=1,
+        time_limit=600.0,
+        startup_timeout=60.0,
+        quiet_wait=0.0,
     )
     notes: list[str] = []
     results = compare.bench_all([spec], args, tmp_path, time.monotonic() + 600, notes)

