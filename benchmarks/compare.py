@@ -565,6 +565,12 @@ def main(argv: list[str] | None = None) -> Path:
     deadline = started + args.budget
     for spec in specs:
         notes += spec.notes
+    if args.quiet_wait > 0 and len(specs) > 1:
+        notes.append(
+            f"each server's turn (each workload, each latency measure) began once the CPUs were >= 90% idle over "
+            f"0.25 s, or after {args.quiet_wait:g} s (benchmarks/quiet.py): a server can stay busy after its "
+            "last answer (vLLM CPU's worker, ~1 s), and the next one timed must not pay for it"
+        )
     latency: list[LatencyResult] = []
     results = bench_all(specs, args, log_dir, deadline, notes, latency)
     summaries = [summarize(r) for r in results]

@@ -169,3 +169,13 @@ def test_each_servers_turn_waits_for_quiet_cpus_first(two_fakes, monkeypatch) ->
     assert [w for w, _ in waits] == [3.0] * 8  # warm, cold, short, decode: each on both servers
     sent = [n for _, n in waits]
     assert sent[0] == 0 and sent == sorted(sent) and len(set(sent)) > 1  # before brine's first send, and on
+
+
+def test_compare_says_it_waited_for_quiet_cpus(two_fakes, tmp_path) -> None:  # noqa: ANN001
+    brine_url, _, llama_url, _ = two_fakes
+    for wait, said in (("0.3", True), ("0", False)):
+        md = compare.main(["--external", f"brine={brine_url}", "--external", f"other={llama_url}",
+                           "--workloads", "unique", "--preset", "tiny", "--out-dir", str(tmp_path),
+                           "--name", f"quiet-{wait}", "--quiet-wait", wait]).read_text()  # fmt: skip
+        assert ("began once the CPUs were >= 90% idle" in md) is said
+        assert f"or after {wait} s (benchmarks/quiet.py)" in md or not said
