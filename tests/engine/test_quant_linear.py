@@ -76,13 +76,16 @@ def test_a_rows_bits_do_not_depend_on_the_batch_its_place_or_the_threads(kind, d
 
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_every_row_count_gives_each_row_its_bits_alone(kind, dtype):
+@pytest.mark.parametrize("out_f", [40, 600])
+def test_every_row_count_gives_each_row_its_bits_alone(kind, dtype, out_f):
     """The kernel groups rows (up to 12 or 16 a group, packed per group), reads records straight up to 48 rows
-    and through per-thread panels of two tiles past that: every count, in every path, gives each row the bits
-    it has alone. 576 inputs: 18 blocks, past one 16-block vector of block sums; 40 outputs: a partial tile."""
+    and through per-thread panels of several tiles past that (panel_tiles: two, or up to 16 on AVX512's float32
+    path): every count, in every path, gives each row the bits it has alone. 576 inputs: 18 blocks, past one
+    16-block vector of block sums; 40 and 600 outputs: a partial tile, and 600 (38 tiles) more tiles a thread
+    than one round of panels holds."""
     kernels = _kernels()
-    raw, _ = _weights(kind, 40, 576, seed=2)
-    layer = QuantLinear(kernels, TYPES[kind], raw, 576, torch.randn(40))
+    raw, _ = _weights(kind, out_f, 576, seed=2)
+    layer = QuantLinear(kernels, TYPES[kind], raw, 576, torch.randn(out_f))
     x = torch.randn(61, 576).to(dtype)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(61)])
     for m in (2, 9, 13, 16, 17, 25, 33, 48, 49, 61):

@@ -700,6 +700,30 @@ Args packed(Args a) {
 // AVX2 (one thread); the smaller ones (4.7 MB at 576 inputs, bfloat16's 6.3 MB) measured within -5..+5% either
 // way, so they stream as before.
 constexpr int64_t kChunkBytes = 512 * 1024, kChunkFrom = 8 * 1024 * 1024;
+
+// Tiles whose panels a thread unpacks at once and runs each row group over, one after the other: at least 2, and
+// on AVX512's float32 path as many as kPanelBytes of panels hold (16 at 576 inputs, 6 at 1,536), at most 16.
+// Why: a row group's packed x (12 rows: 27 KB at 576 inputs) is read once per tile; two tiles at a time read
+// every group's x from L3 or memory again for each pair (2,048 rows of 576 floats are 4.7 MB), and the dot
+// products waited on it: the float32 linears ran at ~half of the fma peak, and a throwaway switch that had every
+// group read group 0's x (in L1) made them ~1.2x faster on two threads. With more tiles a group's x is read
+// again from L1 or L2 for the rest, and the panels (39 KB each at 576 inputs) stay in L2. The emulated Ice Lake
+// build, two threads, the default model's four linears of a layer (q/k/v, o, gate/up, down; Q4_1), 2,048 rows:
+// 60-64 -> 47-54 ms; 512 rows 1.1x; 128 rows and fewer no change. Each (group, tile) is the same call on the same
+// operands, so the same bits. bfloat16 (its panels are half the size, and AMX's tiles run them) and AVX2 (whose
+// CPUs have 256-512 KB of L2; unmeasured there) keep two.
+#if defined(BRINE_SIMD_AVX512)
+constexpr int64_t kPanelBytes = 640 * 1024;
+#else
+constexpr int64_t kPanelBytes = 0;
+#endif
+constexpr int kMostPanelTiles = 16;
+template <int XT>
+inline int panel_tiles(int64_t blocks) {
+    const int64_t bytes = blocks * block_vectors(XT) * static_cast<int64_t>(sizeof(VF));
+    if (XT != kDtypeF32 || bytes <= 0) return 2;
+    return static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(kMostPanelTiles, kPanelBytes / bytes)));
+}
 inline int64_t chunk_groups(int64_t rows, int64_t row_bytes, int most, int64_t count) {
     if (rows * row_bytes <= kChunkFrom) return count;
     const int64_t chunk = kChunkBytes / row_bytes;
@@ -722,9 +746,10 @@ brine::amx::Config tile_config(const RowGroups& groups) {
 //    nor reads them from the other core's cache), and every group reads the tile's records straight into
 //    registers (group_direct). (Several tiles at once for few rows, to overlap their chains, measured slower:
 //    4-tile groups split the tiles unevenly between the threads.)
-//  - More rows, the threads pack them together; then, chunk of rows by chunk (chunk_groups), each unpacks two
-//    tiles at a time into its panels and runs the chunk's groups over both, so that the chunk's packed rows
-//    stay in L2 across the thread's tiles and each row's output line is written in one go per tile pair.
+//  - More rows, the threads pack them together; then, chunk of rows by chunk (chunk_groups), each unpacks
+//    panel_tiles() tiles at a time into its panels and runs each of the chunk's groups over all of them, so that
+//    the chunk's packed rows stay in L2 across the thread's tiles, and a group's rows in L1 or L2 across the
+//    tiles it runs over.
 // T: the caller's activations; XT: what the dot products take (bfloat16 only on the vdpbf16ps path).
 template <int WT, int XT, typename T>
 void run(const Args& in, const T* x, int64_t x_stride, const uint8_t* w, int threads) {
@@ -760,15 +785,16 @@ void run(const Args& in, const T* x, int64_t x_stride, const uint8_t* w, int thr
         // (past the omp for's barrier: every row is packed)
         // Kept per thread across calls: a fresh one per call cost a zeroed allocation (mmap'd, page-faulted
         // anew, for the larger layers) in every layer of every step.
-        static thread_local Panel panels[2];
+        static thread_local Panel panels[kMostPanelTiles];
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t end = tiles * (me + 1) / team;
         const int64_t chunk = chunk_groups(in.m, in.k * static_cast<int64_t>(sizeof(PT)), kMost, groups.count);
+        const int at_once = panel_tiles<XT>(blocks);
         for (int64_t g0 = 0; g0 < groups.count; g0 += chunk) {
             const int64_t g1 = g0 + chunk < groups.count ? g0 + chunk : groups.count;
-            for (int64_t t = tiles * me / team; t < end; t += 2) {
-                const int pair = end - t < 2 ? 1 : 2;
-                VF* panel[2] = {nullptr, nullptr};
+            for (int64_t t = tiles * me / team; t < end; t += at_once) {
+                const int pair = static_cast<int>(std::min<int64_t>(at_once, end - t));  // tiles t .. t + pair - 1
+                VF* panel[kMostPanelTiles] = {};
                 for (int i = 0; i < pair; ++i) {
                     panel[i] = panels[i].resize(blocks * block_vectors(XT));
                     for (int64_t b = 0; b < blocks; ++b)
