@@ -190,9 +190,10 @@ class NativeStack:
         # The step's scratch, [T, width] per buffer side by side, from the kept ones; x, returned, is its own.
         x = torch.empty(t * self.hidden, dtype=self.dtype)
         widths = (qkv_n, q_size, q_size, self.hidden, 2 * inter, inter, self.hidden)
-        scratch = self._take_scratch(t, sum(widths))
+        width = sum(widths)
+        scratch = self._take_scratch(t, width)
         try:
-            self._run(x, scratch[: t * sum(widths)], widths, h, cos, sin, slots, plan, k_caches, ctx)
+            self._run(x, scratch[: t * width], widths, h, cos, sin, slots, plan, k_caches, ctx)
         finally:
             self._give_back(scratch)
         return x.view(t, self.hidden)
