@@ -64,6 +64,24 @@ def test_every_gguf_type_is_the_product_of_the_quantized_rows_and_keeps_a_rows_b
         assert torch.equal(native(x), got), f"{what}: differs from this CPU's own build"
 
 
+def test_rows_past_one_chunk_are_each_the_product_of_their_own_quantized_x(tier, tmp_path):
+    """Past 512 KB of Q8 rows, run_q8 takes the rows chunk by chunk (each over all the thread's tiles): at 4,096
+    inputs a chunk is ~100 rows, so 301 rows are four chunks, the last a partial one. Every row must be the
+    product of its quantized x, whichever chunk holds it, and keep the bits it has alone or in a short batch."""
+    from gguf import GGMLQuantizationType as T
+
+    out_f, in_f = 40, 4096
+    raw, dense = _gguf_weights(tmp_path, int(T.Q4_1), out_f, in_f, seed=7)
+    layer = QuantLinear(tier, int(T.Q4_1), raw, in_f, q8_activations=True)
+    x = torch.randn(301, in_f, generator=torch.Generator().manual_seed(8))
+    got = layer(x)
+    ref = q8(x) @ dense.T
+    scale = (q8(x).abs() @ dense.abs().T) * 2.0**-20
+    what = f"{tier.tier} ({isa_summary()})"
+    assert ((got.double() - ref).abs() <= scale).all(), what
+    assert_rows_keep_their_bits(layer, x, got, what)
+
+
 def test_a_row_with_a_nan_or_an_infinity_comes_out_nan_and_leaves_the_others():
     from gguf import quants
 

@@ -413,7 +413,7 @@ inline void unpack_q8(const uint8_t* rec, Kind kind, uint8_t* out) {
 }
 
 // The threads quantize the rows together, then share out the tiles (runs of neighbouring tiles, as the float
-// path does); each unpacks a tile's records once and runs every row group over them.
+// path does); each unpacks a tile's records and runs a chunk of row groups over them, chunk after chunk.
 template <typename T>
 void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int threads) {
     const int64_t blocks = a.k / kBlock, tiles = (a.n + kTile - 1) / kTile, bytes = a.kind.bytes();
@@ -442,23 +442,37 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
             static thread_local Panel storage;
             uint8_t* panel = reinterpret_cast<uint8_t*>(storage.resize(kQ8Tiles * blocks * kQ8Block / sizeof(VF)));
             const int64_t t_end = tiles * (me + 1) / team;
-            for (int64_t t = tiles * me / team; t < t_end;) {
-                const int n = static_cast<int>(std::min<int64_t>(kQ8Tiles, t_end - t));
-                for (int i = 0; i < n; ++i) {
-                    const uint8_t* rec = w + (t + i) * blocks * bytes;
-                    for (int64_t b = 0; b < blocks; ++b) {
-                        prefetch_record(rec + b * bytes, a.kind);
-                        unpack_q8(rec + b * bytes, a.kind, panel + (i * blocks + b) * kQ8Block);
+            // Chunk by chunk of rows (kChunkBytes of Q8 rows: k bytes and two scales per block each), every tile of the
+            // thread's over each chunk, so that the chunk's rows stay in L2 across the tiles (each unpacked again per
+            // chunk). Streaming all the rows per tile read them from L3 or memory once per tile: at 2,048 rows of 576
+            // inputs they are 1.4 MB. The emulated AVX2 build, the default model with q8 activations and a float16
+            // cache, a cold 2,029-token prompt in process: 2,349 -> 2,184 ms (384-512 KB chunks measured alike, 256 KB
+            // and less slower); the AVX512-VNNI build within noise (1-2%). Each (group, tile) is the same call, so
+            // the same bits.
+            const int64_t row_bytes = a.k + 2 * blocks * static_cast<int64_t>(sizeof(float));
+            const int64_t chunk = groups.count * kQ8Rows * row_bytes <= kChunkBytes
+                                      ? groups.count
+                                      : std::max<int64_t>(1, kChunkBytes / (kQ8Rows * row_bytes));
+            for (int64_t g0 = 0; g0 < groups.count; g0 += chunk) {
+                const int64_t g1 = std::min(groups.count, g0 + chunk);
+                for (int64_t t = tiles * me / team; t < t_end;) {
+                    const int n = static_cast<int>(std::min<int64_t>(kQ8Tiles, t_end - t));
+                    for (int i = 0; i < n; ++i) {
+                        const uint8_t* rec = w + (t + i) * blocks * bytes;
+                        for (int64_t b = 0; b < blocks; ++b) {
+                            prefetch_record(rec + b * bytes, a.kind);
+                            unpack_q8(rec + b * bytes, a.kind, panel + (i * blocks + b) * kQ8Block);
+                        }
                     }
+                    for (int64_t g = g0; g < g1; ++g) {
+                        const int64_t r0 = groups.first(g);
+                        with_rows<1, kQ8Rows>(groups.rows(g), [&](auto R) {
+                            if (n == kQ8Tiles) group_q8<R.value, false, kQ8Tiles>(a, q, panel, t, r0);
+                            else group_q8<R.value>(a, q, panel, t, r0);
+                        });
+                    }
+                    t += n;
                 }
-                for (int64_t g = 0; g < groups.count; ++g) {
-                    const int64_t r0 = groups.first(g);
-                    with_rows<1, kQ8Rows>(groups.rows(g), [&](auto R) {
-                        if (n == kQ8Tiles) group_q8<R.value, false, kQ8Tiles>(a, q, panel, t, r0);
-                        else group_q8<R.value>(a, q, panel, t, r0);
-                    });
-                }
-                t += n;
             }
         }
     }
