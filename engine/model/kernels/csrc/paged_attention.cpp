@@ -861,14 +861,18 @@ inline simd::VF exp_nonpos_lanes(simd::VF x) {  // exp_nonpos, lane by lane: the
     return vmul(y, vpow2i(n));
 }
 
-// Groups of 16 rows that attend_lanes takes at once, at most. AVX512's 32 zmm registers hold three groups' sums for
-// 8 keys (scores) or 8 dims (values), 24 accumulators: each key or value broadcast then feeds three fmas, not one,
-// and a float16 block is widened once for 48 rows, not 16. AVX2's 16 ymm registers hold one group's 6 (two ymm
-// each) beside the operands, where two groups could not share a broadcast with fewer loads per fma.
+// Groups of 16 rows that attend_lanes takes at once, at most (kLaneGroups), and how many of them share registers
+// (kRegGroups). AVX512's 32 zmm registers hold three groups' sums for 8 keys (scores) or 8 dims (values), 24
+// accumulators: each key or value broadcast then feeds three fmas, not one, and a float16 block is widened once
+// for 48 rows, not 16. AVX2's 16 ymm registers hold one group's 6 (two ymm each) beside the operands, where two
+// groups could not share a broadcast with fewer loads per fma; its three groups still share one walk of the
+// blocks, each run over a block's keys (copied or widened once for all three) and a run's values (widened once)
+// in turn. One group per walk spent ~11% of a float16 cache's prefill attention widening it, and ~9% of a
+// float32 one's on the key copies and the values' prefetches (perf annotate, the emulated AVX2 build).
 #if defined(BRINE_SIMD_AVX512)
-constexpr int kLaneGroups = 3;
+constexpr int kLaneGroups = 3, kRegGroups = 3;
 #else
-constexpr int kLaneGroups = 1;
+constexpr int kLaneGroups = 3, kRegGroups = 1;
 #endif
 
 // Scores of keys kb[0 .. N) (rows of D floats, one after the other: widen_rows) for NG groups' 16 rows each:
@@ -893,11 +897,21 @@ inline void lane_scores(const float* const* qT, const float* kb, float* const* s
 
 // Output dims d0 .. d0 + N of the groups' rows over blocks [b0, b1) of the item's [w_lo, b_hi): o[i] = fma(p[key],
 // v[key][d0 + i], o[i]) key by key, keys a lane does not see left out, continuing from acc's sums unless b0 is the
-// item's first block. The caller walks the blocks in runs of kValueBlocks, each run for every chunk of dims, so
+// item's first block. The caller walks the blocks in runs of kLaneValueBlocks, each run for every chunk of dims, so
 // that a run's values come from memory once (the first chunk's walk, which also asks for the blocks ahead) and
 // from L1 for the other chunks: a walk of all blocks per chunk read a long context's values from memory or L3
 // once per chunk. Per lane and dim the fmas stay key by key in position order.
 constexpr int kValueBlocks = 8;  // 128 keys: 32 KB of float32 values at head_dim 64
+// attend_lanes' runs. AVX2: 64 keys, 16 KB of values, beside each group's 4 KB of weights for them (three groups
+// walk together, one after the other): 8 blocks and three groups' weights (56 KB) spilled L1 (48 KB on the AMX
+// Xeon, 32 KB on most AVX2 CPUs); the emulated AVX2 build, attention_bench --dtype float32 --baseline, one thread:
+// prefill 2,048 1.02x and 1.04x faster over a float32 and a float16 cache than with 8-block runs. AVX512's three
+// groups share registers and each value load, and keep 8.
+#if defined(BRINE_SIMD_AVX512)
+constexpr int kLaneValueBlocks = 8;
+#else
+constexpr int kLaneValueBlocks = 4;
+#endif
 // Blocks ahead that the float32 walks ask for: as many bytes in flight as kPrefetchBlocks of bfloat16 at head_dim 64.
 constexpr int kLanePrefetch = 8;
 
@@ -935,9 +949,10 @@ struct LaneGroup {
 // A float16 cache's values come widened: `wide` holds blocks [b0, b1) as [block][16][D] floats. A block some
 // group's lanes do not all see takes the masked fmas for every group: a lane that sees a key picks the same fma
 // either way, so the bits are those of the group walked alone.
+// lead: the first call over these blocks and dims, which asks for the blocks ahead (the others find them in cache).
 template <int N, int D, typename E, int NG>
 inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, int b_hi, int b0, int b1,
-                        const LaneGroup* gs, int d0, const float* wide) {
+                        const LaneGroup* gs, int d0, const float* wide, bool lead) {
     using namespace simd;
     constexpr int BS = 16;
     constexpr bool kWide = !std::is_same_v<E, float>;
@@ -952,15 +967,15 @@ inline void lane_values(const Args& a, const int32_t* table, int kvh, int w_lo, 
     for (int g = 0; g < NG; ++g)
         vlo[g] = gs[g].vlo, vhi[g] = gs[g].vhi, full_lo[g] = gs[g].full_lo, full_hi[g] = gs[g].full_hi, w[g] = gs[g].w;
     const auto prefetch = [&](int b) { prefetch_kv_block<E>(a, a.v_cache, table, b, kvh, D); };
-    if (d0 == 0 && b0 == w_lo)  // see kLanePrefetch: the first chunk's walk asks for the blocks ahead
+    if (lead && d0 == 0 && b0 == w_lo)  // see kLanePrefetch: the first chunk's walk asks for the blocks ahead
         for (int b = b0; b < std::min(b_hi, b0 + kLanePrefetch); ++b) prefetch(b);
     for (int b = b0; b < b1; ++b) {
-        if (d0 == 0 && b + kLanePrefetch < b_hi) prefetch(b + kLanePrefetch);
+        if (lead && d0 == 0 && b + kLanePrefetch < b_hi) prefetch(b + kLanePrefetch);
         if constexpr (!kWide)
-            if (b + 1 < b1) {
-                // This chunk's line of each of the next block's values, into L1: each chunk reads another 64 bytes of
-                // every value row, so no line is in L1 from the chunk before, and a prefill's walk waited on them
-                // (the default model in process, emulated AVX512, float32: a cold 2,029-token prompt 1-4% faster)
+            if (lead && b + 1 < b1) {
+                // This chunk's line of each of the next block's values, into L1: each chunk reads another part of
+                // every value row, whose line the chunks before may have left L1 by now, and a prefill's walk waited
+                // on them (the default model in process, emulated AVX512, float32: a cold 2,029-token prompt 1-4% faster)
                 const float* next = kv_block<E>(a, a.v_cache, table, b + 1, kvh, D) + d0;
                 for (int j = 0; j < BS; ++j) __builtin_prefetch(next + j * stride, 0, 3);
             }
@@ -1010,7 +1025,9 @@ template <int DC, typename E, int NG>
 void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vector<float>& buf) {
     using namespace simd;
     constexpr int BS = 16, D = DC;
-    constexpr int N = NG == 1 ? kChunk : 8;  // keys per score chunk, dims per value chunk: NG x N accumulators
+    constexpr int RG = NG <= kRegGroups ? NG : 1;  // groups per register block (kRegGroups); NG / RG blocks per walk
+    static_assert(NG % RG == 0, "whole register blocks");
+    constexpr int N = RG == 1 ? kChunk : 8;  // keys per score chunk, dims per value chunk: RG x N accumulators
     const int G = a.heads / a.kv_heads, R = ik.ntok * G;
     LaneGroup gs[NG];
     int b_lo = INT32_MAX, b_hi = 0, rows[NG];
@@ -1033,7 +1050,7 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
     }
     const int span = (b_hi - b_lo) * BS;
     const size_t per_group = static_cast<size_t>(kLanes) * (2 * D + span + BS);
-    const size_t wide = static_cast<size_t>(BS) * D * (std::is_same_v<E, float> ? 1 : 1 + kValueBlocks);
+    const size_t wide = static_cast<size_t>(BS) * D * (std::is_same_v<E, float> ? 1 : 1 + kLaneValueBlocks);
     buf.resize(per_group * NG + wide);
     for (int g = 0; g < NG; ++g) {
         gs[g].qT = buf.data() + per_group * g;
@@ -1042,7 +1059,7 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
         gs[g].acc = gs[g].ls + BS * kLanes;
     }
     float* kwide = buf.data() + per_group * NG;  // one block's keys widened (float16) or copied (float32), [16][D]
-    float* vwide = kwide + BS * D;                // a float16 cache's run of values widened, [kValueBlocks][16][D]
+    float* vwide = kwide + BS * D;                // a float16 cache's run of values widened, [kLaneValueBlocks][16][D]
     for (int g = 0; g < NG; ++g)
         for (int l = 0; l < kLanes; ++l) {
             const int r = r0 + g * kLanes + l;
@@ -1067,7 +1084,7 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
             with_count<N>(std::min(N, BS - j0), [&](auto C) {
                 float* s[NG];
                 for (int g = 0; g < NG; ++g) s[g] = gs[g].w + ((b - b_lo) * BS + j0) * kLanes;
-                lane_scores<C.value, D, NG>(qTs, kwide + j0 * D, s);
+                for (int g = 0; g < NG; g += RG) lane_scores<C.value, D, RG>(qTs + g, kwide + j0 * D, s + g);
             });
         for (int g = 0; g < NG; ++g) {
             const float* s = gs[g].w + (b - b_lo) * BS * kLanes;
@@ -1101,25 +1118,33 @@ void attend_lanes(const Args& a, const ItemKeys& ik, int kvh, int r0, std::vecto
             }
         }
     }
-    for (int b0 = b_lo; b0 < b_hi; b0 += kValueBlocks) {
-        const int b1 = std::min(b_hi, b0 + kValueBlocks);
+    for (int b0 = b_lo; b0 < b_hi; b0 += kLaneValueBlocks) {
+        const int b1 = std::min(b_hi, b0 + kLaneValueBlocks);
         if constexpr (!std::is_same_v<E, float>)
             for (int b = b0; b < b1; ++b)
                 widen_rows<D>(kv_block<E>(a, a.v_cache, ik.table, b, kvh, D), stride, vwide + (b - b0) * BS * D);
         for (int d0 = 0; d0 < D; d0 += N)
             with_count<N>(std::min(N, D - d0), [&](auto C) {
-                lane_values<C.value, D, E, NG>(a, ik.table, kvh, b_lo, b_hi, b0, b1, gs, d0, vwide);
+                for (int g = 0; g < NG; g += RG)
+                    lane_values<C.value, D, E, RG>(a, ik.table, kvh, b_lo, b_hi, b0, b1, gs + g, d0, vwide, g == 0);
             });
     }
     for (int g = 0; g < NG; ++g) {
         float* ls = gs[g].ls;
         for (int h = BS / 2; h >= 1; h /= 2)  // the sums' halving tree over the key lanes
             for (int j = 0; j < h; ++j) vstore(ls + j * kLanes, vadd(vload(ls + j * kLanes), vload(ls + (j + h) * kLanes)));
+        // Each lane's sums divided by its sum of weights (1 where a row sees no key, not causal: its output is 0), 16
+        // lanes a division (scalar divisions, one per output, took ~4% of a prefill's attention on AVX2), then the
+        // rows out of the lanes.
+        alignas(64) float lr[kLanes];
+        for (int l = 0; l < kLanes; ++l) lr[l] = ls[l] > 0.0f ? ls[l] : 1.0f;
+        float* const acc = gs[g].acc;
+        const VF lrv = vload(lr);
+        for (int d = 0; d < D; ++d) vstore(acc + d * kLanes, vdiv(vload(acc + d * kLanes), lrv));
         for (int l = 0; l < rows[g]; ++l) {
             const int r = r0 + g * kLanes + l;
             const int64_t oo = (static_cast<int64_t>(ik.tok0 + r / G) * a.heads + kvh * G + r % G) * D;
-            const float lr = ls[l] > 0.0f ? ls[l] : 1.0f;  // a row that sees no key (not causal): 0
-            for (int d = 0; d < D; ++d) store<kDtypeF32>(a.out, oo + d, gs[g].acc[d * kLanes + l] / lr);
+            for (int d = 0; d < D; ++d) store<kDtypeF32>(a.out, oo + d, acc[d * kLanes + l]);
         }
     }
 }

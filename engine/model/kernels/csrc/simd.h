@@ -3,7 +3,7 @@
 //   - AVX512F + BW:           one __m512 (also the AVX512-BF16 tier, whose bfloat16 dot products are extra);
 //   - AVX2 + FMA + F16C:      two __m256 (lanes 0-7, then 8-15);
 //   - anything else:          float[16] and loops (ARM64, old x86, any compiler target): the portable tier.
-// Every function is lane-wise IEEE arithmetic (fma is fused, rounded once; add, sub, mul rounded once; vmax is
+// Every function is lane-wise IEEE arithmetic (fma is fused, rounded once; add, sub, mul, div rounded once; vmax is
 // a > b ? a : b; vkeep picks x where lo <= pos < hi, else other), so a lane's
 // bits are the same on every tier: the kernels' results differ between tiers only where a tier has an
 // instruction the others emulate differently (AVX512-BF16's vdpbf16ps), never within one tier by batch.
@@ -83,6 +83,7 @@ inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x.v); }
 inline void vstore_part(float* p, VF x, int count) { _mm512_mask_storeu_ps(p, vmask(count), x.v); }
 inline VF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VF vdiv(VF a, VF b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline VF vsub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline VF vmax(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }  // vmaxps: a > b ? a : b (NaN, +-0 too)
 inline VF vkeep(VF pos, VF lo, VF hi, VF x, VF other) {
@@ -123,6 +124,7 @@ inline void vstore_part(float* p, VF x, int count) {
 }
 inline VF vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline VF vmul(VF a, VF b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+inline VF vdiv(VF a, VF b) { return {_mm256_div_ps(a.a, b.a), _mm256_div_ps(a.b, b.b)}; }
 inline VF vsub(VF a, VF b) { return {_mm256_sub_ps(a.a, b.a), _mm256_sub_ps(a.b, b.b)}; }
 inline VF vmax(VF a, VF b) { return {_mm256_max_ps(a.a, b.a), _mm256_max_ps(a.b, b.b)}; }  // a > b ? a : b
 inline __m256 keep8(__m256 pos, __m256 lo, __m256 hi, __m256 x, __m256 other) {
@@ -175,6 +177,10 @@ inline VF vload(const float* p) {
 }
 inline VF vmul(VF a, VF b) {
     for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+    return a;
+}
+inline VF vdiv(VF a, VF b) {
+    for (int i = 0; i < 16; ++i) a.v[i] /= b.v[i];
     return a;
 }
 inline VF vsub(VF a, VF b) {
