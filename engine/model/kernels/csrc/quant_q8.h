@@ -26,11 +26,15 @@ constexpr int64_t kQ8Block = kQ8Scales + 2 * kTile * 4;
 static_assert(kQ8Block % sizeof(VF) == 0, "a block's panel is whole VF units (Panel's storage)");
 
 // Rows per group: each row keeps one integer sum per column vector (AVX512: one zmm; AVX2: two ymm) through a
-// block's quads, beside the quad's weights and its x. 12 rows on AVX512 and 5 or 6 on AVX2 measured no faster.
+// block's quads, beside the quad's weights and its x. 12 rows on AVX512 and 5 or 6 on AVX2 measured no faster. AVX2
+// takes 3: its 16 ymm then hold the 6 sums, the quad's 2 weight vectors, the broadcast x and the products with room
+// to spare (the emulated AVX2 build, two threads, the default model's four Q4_1 linears of a layer at 2,048 rows,
+// variants alternated in one process: 39.6 ms with 4 rows, 35.6 with 3, 39.4 with 2, 42.5 with 5; keeping the
+// float totals in registers as well, 35.4). A row's arithmetic is the same in any group, so the same bits.
 #if defined(BRINE_SIMD_AVX512)
 constexpr int kQ8Rows = 8;
 #else
-constexpr int kQ8Rows = 4;
+constexpr int kQ8Rows = 3;
 #endif
 // Tiles (16 columns each) a row group takes at once. AVX512: two, 16 integer sums in registers, so each row's input
 // broadcast (a load) feeds two dot products, not one: a thread's loads had kept the loop at ~half the dot
@@ -441,7 +445,10 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
     uint8_t* mem = scratch(static_cast<size_t>(a.m * a.k + 2 * a.m * blocks * 4 + 64));
     float* d = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(mem + a.m * a.k) + 63) & ~uintptr_t{63});
     const Q8Rows q{reinterpret_cast<int8_t*>(mem), d, d + a.m * blocks, blocks};
-    const RowGroups groups(a.m, kQ8Rows);
+    // A step of up to kQ8DirectRows rows is one group, read straight from the records (below); more rows go in groups of
+    // kQ8Rows. AVX2's 3-row groups made a 4-row step (a decode of four streams) two groups and ~7% slower.
+    constexpr int kQ8DirectRows = kQ8Direct ? std::max(kQ8Rows, 4) : kQ8Rows;
+    const RowGroups groups(a.m, a.m <= kQ8DirectRows ? kQ8DirectRows : kQ8Rows);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -454,7 +461,7 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
             // One row group: each record is read once, straight (group_q8_simd's kDirect). A Zen 1 EPYC, 2 threads,
             // quant_q8_bench's one-row Q4_1 linears: 0.24-0.29 -> 0.21 ms, the same bits.
             for (int64_t t = tiles * me / team; t < tiles * (me + 1) / team; ++t)
-                with_rows<1, kQ8Rows>(groups.rows(0), [&](auto R) {
+                with_rows<1, kQ8DirectRows>(groups.rows(0), [&](auto R) {
                     group_q8<R.value, kQ8Direct>(a, q, w + t * blocks * bytes, t, 0);
                 });
         } else {
