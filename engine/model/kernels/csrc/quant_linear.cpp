@@ -724,8 +724,9 @@ inline int panel_tiles(int64_t blocks) {
     if (XT != kDtypeF32 || bytes <= 0) return 2;
     return static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(kMostPanelTiles, kPanelBytes / bytes)));
 }
-inline int64_t chunk_groups(int64_t rows, int64_t row_bytes, int most, int64_t count) {
-    if (rows * row_bytes <= kChunkFrom) return count;
+// from: the rows' bytes past which they are chunked (the Q8 path's, int8 rows, chunks from kChunkBytes).
+inline int64_t chunk_groups(int64_t rows, int64_t row_bytes, int most, int64_t count, int64_t from = kChunkFrom) {
+    if (rows * row_bytes <= from) return count;
     const int64_t chunk = kChunkBytes / row_bytes;
     return chunk / most > 1 ? chunk / most : 1;
 }

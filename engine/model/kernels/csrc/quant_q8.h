@@ -476,11 +476,9 @@ void run_q8(const Args& a, const T* x, int64_t x_stride, const uint8_t* w, int t
             // inputs they are 1.4 MB. The emulated AVX2 build, the default model with q8 activations and a float16
             // cache, a cold 2,029-token prompt in process: 2,349 -> 2,184 ms (384-512 KB chunks measured alike, 256 KB
             // and less slower); the AVX512-VNNI build within noise (1-2%). Each (group, tile) is the same call, so
-            // the same bits.
+            // the same bits. Unlike the float path's rows, these are chunked from kChunkBytes, not kChunkFrom.
             const int64_t row_bytes = a.k + 2 * blocks * static_cast<int64_t>(sizeof(float));
-            const int64_t chunk = groups.count * kQ8Rows * row_bytes <= kChunkBytes
-                                      ? groups.count
-                                      : std::max<int64_t>(1, kChunkBytes / (kQ8Rows * row_bytes));
+            const int64_t chunk = chunk_groups(a.m, row_bytes, kQ8Rows, groups.count, kChunkBytes);
             for (int64_t g0 = 0; g0 < groups.count; g0 += chunk) {
                 const int64_t g1 = std::min(groups.count, g0 + chunk);
                 for (int64_t t = tiles * me / team; t < t_end;) {
