@@ -174,6 +174,18 @@ struct ItemKeys {
         }
         b_lo = lo_all / bs, b_hi = (hi_all + bs - 1) / bs;
     }
+    // Tokens [t0, t0 + n) of this item as an item of their own (the blocks they see, and no more).
+    ItemKeys narrowed(const Args& a, int t0, int n, int bs) const {
+        ItemKeys out = *this;
+        out.tok0 = tok0 + t0, out.ntok = n, out.pos0 = pos0 + t0;
+        int lo_all = ctx, hi_all = 0;
+        for (int t = 0; t < n; ++t) {
+            lo_all = std::min(lo_all, out.first_key(a, t));
+            hi_all = std::max(hi_all, out.end_key(a, t));
+        }
+        out.b_lo = lo_all / bs, out.b_hi = (hi_all + bs - 1) / bs;
+        return out;
+    }
     int first_key(const Args& a, int t) const { return a.window > 0 ? std::max(0, pos0 + t - a.window + 1) : 0; }
     int end_key(const Args& a, int t) const { return a.causal ? pos0 + t + 1 : ctx; }
     // The keys of block b (of bs keys) that token t sees: lanes [vlo, vhi) (none when vhi <= vlo).
@@ -473,9 +485,11 @@ struct Bf16Work {
     std::vector<float> ls;         // [R][16] sums of weights per key lane
     std::vector<uint32_t> wt;      // AMX: [RP][8] one block's weight pairs, every row (0 where it sees none)
 
-    // Takes (item, KV head) on, reusing the vectors' memory from the last one.
-    void reset(const Args& a, int64_t item, int kvh_) {
+    // Takes (item, KV head) on, or tokens [t0, t0 + nt) of the item (nt > 0), reusing the vectors' memory from
+    // the last one.
+    void reset(const Args& a, int64_t item, int kvh_, int t0 = 0, int nt = 0) {
         ik = ItemKeys(a, item, 16);
+        if (nt > 0) ik = ik.narrowed(a, t0, nt, 16);
         kvh = kvh_, G = a.heads / a.kv_heads, R = ik.ntok * G;
         const int rows_at_once = kAmx ? 16 : kRowBlock;  // AMX: whole tiles of rows
         RP = (R + rows_at_once - 1) / rows_at_once * rows_at_once, span = (ik.b_hi - ik.b_lo) * 16;
@@ -782,10 +796,37 @@ struct Bf16Work {
     }
 };
 
-// Every (item, KV head) on its own, spread over the threads.
+// Every (item, KV head) on its own, spread over the threads. On AMX at head_dim 64, an item of more rows than
+// one tile of 16 (tokens x the GQA group: a verify chunk of 5 or more drafts at the default model's group of 3)
+// goes as parts of at most 16 rows, tokens [t0, t0 + nt) each: a part's values stay in tiles for its whole walk
+// (Bf16Work::keeps_tiles), where 32 rows loaded and stored their sums around every block, and the parts spread
+// over the threads (3 KV heads' items on 2 threads left one idle for a third of the step). Each part walks the
+// context again, but on tiles the walk is not what 32 rows cost. A row's arithmetic is its own wherever its
+// item is cut (as the planner's cuts already are: engine/model/attention/native.py), so the bits are the same.
 template <int DC>
 void run_bf16_items(const Args& a, int threads) {
-    const int64_t work = a.num_items * a.kv_heads;
+    struct Part {
+        int64_t item;
+        int t0, nt;
+    };
+    std::vector<Part> parts;
+    const int group = a.heads / a.kv_heads;
+    const bool cut = kAmx && DC == 64 && group <= 16;
+    for (int64_t i = 0; i < a.num_items; ++i) {
+        const int ntok = a.items[i * 5 + 1];
+        const int most = cut ? 16 / group : ntok;  // tokens per part: a tile of rows
+        if (ntok <= most) {
+            parts.push_back({i, 0, 0});
+            continue;
+        }
+        const int count = (ntok + most - 1) / most;
+        for (int p = 0, t0 = 0; p < count; ++p) {  // near-equal parts: 9 tokens as 5 + 4
+            const int nt = ntok / count + (p < ntok % count ? 1 : 0);
+            parts.push_back({i, t0, nt});
+            t0 += nt;
+        }
+    }
+    const int64_t work = static_cast<int64_t>(parts.size()) * a.kv_heads;
 #pragma omp parallel num_threads(threads)
     {
 #if defined(BRINE_SIMD_AMX)
@@ -795,7 +836,8 @@ void run_bf16_items(const Args& a, int threads) {
         Bf16Work<DC> w;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < work; ++u) {
-            w.reset(a, u / a.kv_heads, static_cast<int>(u % a.kv_heads));
+            const Part& p = parts[u / a.kv_heads];
+            w.reset(a, p.item, static_cast<int>(u % a.kv_heads), p.t0, p.nt);
             w.scores(a);
             w.values(a);
         }
