@@ -223,6 +223,12 @@ async def main_async(args: argparse.Namespace) -> None:
                     f"{off_steps / max(1, on_steps):>11.2f}x",
                     flush=True,
                 )
+        if drafter is not None and drafter.cost is not None:  # min_draft_acceptance "auto": what it measured
+            cost = drafter.cost
+            print(
+                "measured draft threshold: "
+                + ", ".join(f"{n} seqs {cost.threshold(n):.3f}" for n in (1, 4, 16))
+            )
         print(f"load average {os.getloadavg()[0]:.2f}")
     finally:
         engine.shutdown()

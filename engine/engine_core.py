@@ -354,11 +354,18 @@ class EngineCore:
             req = self.scheduler.requests[sr.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        started = time.perf_counter()
         result = (
             execute_attributing(self.runner, sched_out, between_layers)
             if sched_out.scheduled
             else RunnerOutput({})
         )
+        spec = self.scheduler.spec
+        if spec is not None and between_layers is None and not inside and sched_out.decode_only():
+            # What a draft row costs here, for "auto" min_draft_acceptance (engine.spec_cost): timed only where
+            # the step is nothing but decode rows, with no express pass inside it.
+            drafts = sum(len(sr.draft_token_ids) for sr in sched_out.scheduled)
+            spec.observe_step(len(sched_out.scheduled), drafts, time.perf_counter() - started)
         if self.tiers is not None and inside:
             # The blocks cached so far include the paused step's, not computed yet: they all go out at its end
             # (a pinned block is never reused meanwhile), but for those this pass failed to compute.

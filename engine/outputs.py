@@ -78,6 +78,13 @@ class SchedulerOutput:
     # source before writing any destination (kv_cache.manager: the tail of a prefix hit).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
+    def decode_only(self) -> bool:
+        """Whether every scheduled request computes just its last known token (and its drafts, if any): a
+        decode step, no prefill chunk and no kept-logits row in it."""
+        return bool(self.scheduled) and all(
+            sr.sample and len(sr.new_token_ids) == 1 + len(sr.draft_token_ids) for sr in self.scheduled
+        )
+
 
 @dataclass(slots=True)
 class RunnerOutput:

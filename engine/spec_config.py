@@ -10,7 +10,8 @@ docs/speculative-decoding.md:
 `max_draft_tokens_per_step` (the drafts of one step together, so a batch whose step is compute-bound does not
 pay for drafts it cannot afford); and one about each request's drafts: `min_draft_acceptance`, the least
 chance of being accepted that a draft token must have (from the request's record) to be drafted, which is
-what a draft row costs over what a sequence's row of the step costs. Stdlib only: `brine --help` imports
+what a draft row costs over what a sequence's row of the step costs: "auto" (the default, also null) measures
+that from the engine's own steps (engine.spec_cost), a number fixes it. Stdlib only: `brine --help` imports
 this.
 """
 
@@ -35,10 +36,10 @@ class SpeculativeConfig:
     )
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN  # the shortest one that may propose a draft
     disable_by_batch_size: int = 32
-    # A draft row of a verified chunk costs about 0.3 of a sequence's decode row on CPU at a 2,000-token
-    # context, at every batch size measured (benchmarks/spec_step_cost.py): a token less likely than that
-    # to be accepted costs more than it saves.
-    min_draft_acceptance: float = 0.3
+    # A token less likely than what a draft row costs over a sequence's decode row to be accepted costs more
+    # than it saves. None ("auto"): that cost as measured from this engine's steps (engine.spec_cost), since it
+    # ranges from ~0.07 to ~0.5 with the CPU and the batch size (benchmarks/spec_step_cost.py).
+    min_draft_acceptance: float | None = None
     max_draft_tokens_per_step: int = 128
     # Drafts in a step that also prefills, or while prompts wait: off, since the drafts take the prefills'
     # token budget (16 free-text streams took more steps with them). Tests turn it on to draft under preemption.
@@ -69,9 +70,12 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} must be an integer, got {values[name]!r}")
         if "min_draft_acceptance" in values:
             floor = values["min_draft_acceptance"]
-            if not isinstance(floor, (int, float)) or isinstance(floor, bool):
-                raise ValueError(f"min_draft_acceptance must be a number, got {floor!r}")
-            values["min_draft_acceptance"] = float(floor)
+            if floor is None or floor == "auto":
+                values["min_draft_acceptance"] = None
+            elif not isinstance(floor, (int, float)) or isinstance(floor, bool):
+                raise ValueError(f'min_draft_acceptance must be a number or "auto", got {floor!r}')
+            else:
+                values["min_draft_acceptance"] = float(floor)
         if not isinstance(values.get("draft_beside_prefill", False), bool):
             raise ValueError(
                 f"draft_beside_prefill must be true or false, got {values['draft_beside_prefill']!r}"
@@ -95,7 +99,7 @@ class SpeculativeConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_LOOKUP}, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
-        if not 0.0 <= self.min_draft_acceptance < 1.0:
+        if self.min_draft_acceptance is not None and not 0.0 <= self.min_draft_acceptance < 1.0:
             raise ValueError(f"min_draft_acceptance must be in [0, 1), got {self.min_draft_acceptance}")
         if self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")

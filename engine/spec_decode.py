@@ -11,9 +11,11 @@ When to draft:
 - K adapts per request, from what its drafts have done: the request keeps a running estimate of the chance
   that a draft token is accepted once the drafts before it were (its accepted drafts over the drafts it has
   tested, the recent ones weighing most), and drafts the j-th token only while that chance to the power j,
-  the chance that the token is accepted at all, is at least `min_draft_acceptance`: below it, a draft row
-  costs more than it is expected to save (on CPU a row of a verified chunk costs about a third of what a
-  sequence's decode row costs: docs/speculative-decoding.md). A request whose drafts fail while even one
+  the chance that the token is accepted at all, is at least the step's threshold: below it, a draft row
+  costs more than it is expected to save. The threshold is `min_draft_acceptance` where given, else what a
+  draft row measured to cost over a sequence's own row in this engine's recent steps of the same batch size
+  (engine.spec_cost: on CPU from ~0.07 at one sequence on an AMX Xeon to ~0.3 at 16 on an EPYC;
+  docs/speculative-decoding.md). A request whose drafts fail while even one
   token is below that skips the next 1, 2, 4 .. 32 steps' lookups, so text with no repetition pays almost
   nothing;
 - per step, none while a prompt waits or is being prefilled, none while more than `disable_by_batch_size`
@@ -36,6 +38,7 @@ from engine.ngram_proposer import NgramIndex
 from engine.outputs import VerifiedDrafts
 from engine.request import Request
 from engine.spec_config import SpeculativeConfig
+from engine.spec_cost import FALLBACK, DraftCost
 from metrics.stats import SpecDecodingStats
 
 MAX_SKIP = 32  # steps a request with failing drafts waits at most before it looks up again
@@ -66,6 +69,10 @@ class SpecDecoder:
         self._states: dict[str, _RequestSpec] = {}
         self._step_left = 0  # draft tokens this step may still hand out
         self._stats: SpecDecodingStats | None = None
+        # min_draft_acceptance "auto" (None): measured from the engine's own steps (engine.spec_cost), per step's
+        # batch size; a number: that, always.
+        self.cost = DraftCost() if config.min_draft_acceptance is None else None
+        self.threshold = FALLBACK if config.min_draft_acceptance is None else config.min_draft_acceptance
 
     def begin_step(self, running: list[Request], num_waiting: int, live: dict[str, Request]) -> None:
         """Called once per scheduling pass, before any `propose`. No drafts while prompts wait or are being
@@ -75,6 +82,8 @@ class SpecDecoder:
         prefilling = num_waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in running)
         busy = len(running) > c.disable_by_batch_size or (prefilling and not c.draft_beside_prefill)
         self._step_left = 0 if busy else c.max_draft_tokens_per_step
+        if self.cost is not None:
+            self.threshold = self.cost.threshold(len(running))
         if len(self._states) > len(live):  # some finished: drop their indexes
             self._states = {rid: s for rid, s in self._states.items() if live.get(rid) is s.request}
 
@@ -113,13 +122,19 @@ class SpecDecoder:
             self._stats = SpecDecodingStats()
         self._stats.observe(num_drafts, verified.num_accepted)
 
+    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """A decode-only step's wall time (engine.engine_core), for the measured threshold."""
+        if self.cost is not None:
+            self.cost.observe(num_seqs, num_drafts, seconds)
+
     def num_drafts(self, rate: float) -> int:
         """How many tokens to draft at this per-token acceptance `rate`: the j-th is accepted with chance
-        rate ** j, and is drafted while that is at least min_draft_acceptance (at least one: a probe, which
-        `_adapt` spaces out while it keeps failing), at most num_speculative_tokens."""
+        rate ** j, and is drafted while that is at least the step's threshold (min_draft_acceptance, or what a
+        draft row measured to cost: engine.spec_cost; at least one: a probe, which `_adapt` spaces out while it
+        keeps failing), at most num_speculative_tokens."""
         c = self.config
         k, chance = 0, rate
-        while k < c.num_speculative_tokens and chance >= c.min_draft_acceptance:
+        while k < c.num_speculative_tokens and chance >= self.threshold:
             k += 1
             chance *= rate
         return max(1, k)
@@ -127,7 +142,7 @@ class SpecDecoder:
     def _adapt(self, state: _RequestSpec, drafted: int, accepted: int) -> None:
         state.accepted = state.accepted * DECAY + accepted
         state.tested = state.tested * DECAY + accepted + (1 if accepted < drafted else 0)
-        if accepted == 0 and state.rate() < self.config.min_draft_acceptance:
+        if accepted == 0 and state.rate() < self.threshold:
             state.misses += 1
             state.skip = min(MAX_SKIP, 1 << (state.misses - 1))
         else:

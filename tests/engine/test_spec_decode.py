@@ -58,7 +58,11 @@ class SpecFakeRunner(FakeRunner):
         return result
 
 
-SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+# A fixed threshold: "auto" measures it from the steps' wall time, which these tests' draft counts must not
+# depend on (tests/engine/test_spec_cost.py tests the measured one).
+SPEC = SpeculativeConfig(
+    num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2, min_draft_acceptance=0.3
+)
 # Repeats itself (drafts get accepted) and drifts off the repetition now and then (drafts get rejected).
 TEXT = "the cat sat on the mat. the cat sat on the hat. the cat ran off the mat. the dog sat on the cat."
 
@@ -203,6 +207,9 @@ def test_speculative_config_parses_vllm_shape_and_refuses_bad_values() -> None:
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 6, 3)
     assert SpeculativeConfig.from_json('{"prompt_lookup_max": 1}').prompt_lookup_min == 1
     assert SpeculativeConfig.from_json('{"min_draft_acceptance": 0}').min_draft_acceptance == 0.0
+    assert SpeculativeConfig.from_json('{"min_draft_acceptance": "auto"}').min_draft_acceptance is None
+    assert SpeculativeConfig.from_json('{"min_draft_acceptance": null}').min_draft_acceptance is None
+    assert SpeculativeConfig.from_json("{}").min_draft_acceptance is None  # measured unless given
     for bad, word in [
         ('{"method": "eagle"}', "method"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
@@ -254,7 +261,9 @@ def test_drafts_that_keep_failing_space_out_their_lookups() -> None:
 def test_a_request_that_copies_its_prompt_drafts_k_tokens_a_step() -> None:
     """On the fake runner a request whose output repeats its prompt gets every draft accepted: once its rate
     has risen it drafts num_speculative_tokens a step, and its tokens are those of plain decoding."""
-    spec = SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_max=4, prompt_lookup_min=2)
+    spec = SpeculativeConfig(
+        num_speculative_tokens=6, prompt_lookup_max=4, prompt_lookup_min=2, min_draft_acceptance=0.3
+    )
     runner = SpecFakeRunner(num_blocks=96, block_size=4, next_token=scripted(TEXT * 3))
     core = EngineCore(
         runner, ByteTokenizer(), EngineConfig(speculative_config=spec, max_num_batched_tokens=32)
