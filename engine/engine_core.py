@@ -120,6 +120,7 @@ class EngineCore:
             getattr(runner, "yields_between_layers", False)
         )
         self._pacer = ExpressPacer()
+        self._paused = 0.0  # seconds the main step in flight spent paused (express passes): not its own time
         # Requests that failed in an express pass made inside the step in flight: their cached blocks were not
         # computed, and that step's end hands the tiers every block cached meanwhile (see _run).
         self._failed_inside: set[str] = set()
@@ -323,10 +324,12 @@ class EngineCore:
 
                 def hook() -> None:
                     if self._pacer.due():
+                        paused = time.perf_counter()
                         between.poll()
                         outputs = self._express_pass(in_flight, inside=True)
                         served[0] = served[0] or bool(outputs)
                         between.emit(outputs)
+                        self._paused += time.perf_counter() - paused
 
         outputs = self._run(sched_out, hook)
         if self.scheduler.has_express() and (not served[0] or self._pacer.due()):
@@ -354,6 +357,8 @@ class EngineCore:
             req = self.scheduler.requests[sr.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        if not inside:
+            self._paused = 0.0
         started = time.perf_counter()
         result = (
             execute_attributing(self.runner, sched_out, between_layers)
@@ -361,11 +366,11 @@ class EngineCore:
             else RunnerOutput({})
         )
         spec = self.scheduler.spec
-        if spec is not None and between_layers is None and not inside and sched_out.decode_only():
+        if spec is not None and not inside and sched_out.decode_only():
             # What a draft row costs here, for "auto" min_draft_acceptance (engine.spec_cost): timed only where
-            # the step is nothing but decode rows, with no express pass inside it.
+            # the step is nothing but decode rows, less the express passes made while it was paused.
             drafts = sum(len(sr.draft_token_ids) for sr in sched_out.scheduled)
-            spec.observe_step(len(sched_out.scheduled), drafts, time.perf_counter() - started)
+            spec.observe_step(len(sched_out.scheduled), drafts, time.perf_counter() - started - self._paused)
         if self.tiers is not None and inside:
             # The blocks cached so far include the paused step's, not computed yet: they all go out at its end
             # (a pinned block is never reused meanwhile), but for those this pass failed to compute.

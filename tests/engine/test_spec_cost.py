@@ -102,3 +102,52 @@ def test_the_engine_times_its_decode_steps_for_the_threshold() -> None:
     assert decode_steps >= 10 and decode_steps < len(runner.steps)  # the prompt's chunks ran too
     # every decode step was taken in (but for a stall left out), and no prefill chunk was
     assert decode_steps - 2 <= decoder.cost.classes[0].steps <= decode_steps
+
+
+@dataclass
+class PausingSpecRunner(SpecFakeRunner):
+    """Pauses once in every step, as the real runner does between layers (engine.express)."""
+
+    yields_between_layers: bool = True
+
+    def execute(self, out: SchedulerOutput, between_layers=None) -> RunnerOutput:  # type: ignore[override]
+        if between_layers is not None:
+            between_layers()
+        return super().execute(out)
+
+
+class SlowPause:
+    """The driver's side of a pause (engine.express.Interjection), taking 50 ms."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def poll(self) -> None:
+        self.polls += 1
+        time.sleep(0.05)
+
+    def emit(self, outputs: list) -> None:
+        pass
+
+
+def test_a_steps_pauses_are_not_counted_as_its_own_time() -> None:
+    """A decode step of 16 sequences pauses for the express lane (engine.express); the threshold must see the
+    step's own time, not the pause's."""
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+    runner = PausingSpecRunner(num_blocks=400, block_size=4, next_token=scripted(TEXT * 3))
+    core = EngineCore(
+        runner, ByteTokenizer(), EngineConfig(speculative_config=spec, max_num_batched_tokens=256)
+    )
+    assert core.scheduler.express_enabled
+    decoder = core.scheduler.spec
+    assert decoder is not None
+    seen: list[tuple[int, float]] = []
+    decoder.observe_step = lambda seqs, drafts, seconds: seen.append((seqs, seconds))  # type: ignore[method-assign]
+    for i in range(16):
+        core.add_request(f"r{i}", list(TEXT[i : i + 12].encode()), SamplingParams(max_tokens=12))
+    pause = SlowPause()
+    while core.has_work():
+        core.step(between=pause)
+    sixteen = [s for n, s in seen if n == 16]
+    assert pause.polls >= 3 and len(sixteen) >= 3  # decode steps of all 16 ran, and paused
+    assert max(sixteen) < 0.04, sixteen  # each paused 50 ms: left out
