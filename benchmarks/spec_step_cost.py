@@ -17,12 +17,14 @@ is a / (cost(K) / cost(0)): the break-even acceptance at each (B, K) is the rati
 quantized linears (Q4_1 qkv, o, gate/up and down in 30 layers, each its own weights so that they come from
 memory as in a step; the Q8_0 output head) and its attention (9 heads, 3 KV heads, head_dim 64, 30 layers'
 caches of `--context` tokens in scattered blocks), for one sequence of each of ROWS query tokens; CPU time, ms
-per step. With `--baseline DIR` each kernel alternates with another checkout's (built for the same tier) and
+per step (`--clock wall`: wall time, what a step waits on, which two threads' imbalance adds to and an idle
+thread's spinning does not). With `--baseline DIR` each kernel alternates with another checkout's (built for the same tier) and
 the line says whether their outputs have the same bits: the before / after of a kernel change.
 
     .venv/bin/python benchmarks/spec_step_cost.py                          # B 1,4,8,16,32; K 0,1,2,4,8
     .venv/bin/python benchmarks/spec_step_cost.py --batch 1 --draft 0,4,8,16 --context 2000
     .venv/bin/python benchmarks/spec_step_cost.py --kernels 1,2,3,5,9 --threads 1 --baseline /tmp/before
+    .venv/bin/python benchmarks/spec_step_cost.py --kernels 1,5,7,9,16 --clock wall --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def run_attention(kern: Kernels, q: torch.Tensor, meta: AttentionMetadata, cache
 
 
 def kernel_costs(args: argparse.Namespace) -> None:
-    """--kernels: each kernel of a verify chunk of R tokens, ms per step (CPU time), against --baseline's."""
+    """--kernels: each kernel of a verify chunk of R tokens, ms per step (--clock's), against --baseline's."""
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
@@ -142,7 +145,7 @@ def kernel_costs(args: argparse.Namespace) -> None:
     rows = [int(r) for r in args.kernels.split(",")]
     rng = np.random.default_rng(0)
     print(f"tier {mine.tier}, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, context {args.context}; "
-          f"median of 7 alternated runs, ms per step (CPU time): {' -> '.join(kernels)}")  # fmt: skip
+          f"median of 7 alternated runs, ms per step ({args.clock} time): {' -> '.join(kernels)}")  # fmt: skip
     totals = {name: [0.0] * len(rows) for name in kernels}
 
     def timed(calls: dict[str, Callable[[], torch.Tensor]]) -> tuple[dict[str, float], bool]:
@@ -150,10 +153,10 @@ def kernel_costs(args: argparse.Namespace) -> None:
         outs = {}
         for rep in range(8):
             for name, call in calls.items():
-                t0 = time.process_time()
+                t0 = clock()
                 outs[name] = call()
                 if rep:  # the first: warm-up
-                    times[name].append(time.process_time() - t0)
+                    times[name].append(clock() - t0)
         got = list(outs.values())
         same = all(torch.equal(o.view(torch.uint8), got[0].view(torch.uint8)) for o in got)
         return {name: 1000 * statistics.median(t) for name, t in times.items()}, same
@@ -208,6 +211,13 @@ def main() -> None:
     )
     p.add_argument(
         "--baseline", type=Path, help="with --kernels: another checkout's kernels against this tree's"
+    )
+    p.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="with --kernels: CPU time (the threads' work) or wall time (what a step waits: an idle thread's "
+        "spinning counts as CPU time, and a stall of one thread shows only in wall time)",
     )
     args = p.parse_args()
     if args.kernels:
