@@ -7,8 +7,8 @@ fraction depends on the CPU, the model, the batch size and the context (benchmar
 cached tokens): an AMX Xeon ~0.07 at one sequence, 0.12-0.15 at 4 and ~0.25 at 16; an AVX512-BF16 EPYC 0.15-0.18
 at one sequence and 0.25-0.4 at 4 to 32. A token whose chance of acceptance is below that fraction costs more
 than it is expected to save, above it less: that fraction is the threshold, and one fixed number is too timid
-where drafts are cheap (single-stream extraction on the AMX Xeon: 1.88-1.99x with 0.3, 2.16x with 0.15) and too
-bold where they are dear.
+where drafts are cheap (single-stream extraction over 16 prompts on the AMX Xeon: 1.86x with 0.3, 2.04x with
+the measured ~0.06) and too bold where they are dear.
 
 Per class of batch size (1, 2-3, 4-7, 8-15, 16-31, 32 or more sequences), from decode-only steps (every sequence
 computing its last known token, some with drafts; no prefill, which would dwarf them): a least-squares line

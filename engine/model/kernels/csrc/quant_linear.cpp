@@ -593,10 +593,11 @@ void group_direct(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0) {
 #if defined(BRINE_SIMD_AMX)
     // On tiles a block's partial products are a tile and a store, not registers beside the rows' totals, so
     // every row count takes 4 blocks at a time (two pairs for amx_blocks' two tile sets), as one row does: one
-    // block at a time (blocks_at_once past 6 rows) left each tile product waiting on the one before. Measured
-    // (two threads, wall, the default model's 30 layers): 7 rows, a verify chunk of 6 drafts, gate/up 2.70 ->
-    // 1.77 ms, q/k/v 0.98 -> 0.70; 16 rows, a 16-sequence decode step, gate/up 3.62 -> 2.87; 5 rows 1.73 ->
-    // 1.60 (2 -> 4 blocks); 8 at a time no better. The same per-lane arithmetic, in the same block order.
+    // block at a time (blocks_at_once past 6 rows) left each tile product waiting on the one before.
+    // benchmarks/spec_step_cost.py --kernels --clock wall (two threads, the default model's 30 layers): 7 rows,
+    // a verify chunk of 6 drafts, gate/up 3.10 -> 1.99 ms, q/k/v 1.01 -> 0.79, down 1.60 -> 1.06; 16 rows, a
+    // 16-sequence decode step, gate/up 3.81 -> 3.12; 5 rows (2 -> 4 blocks) 1.88 -> 1.83; 8 at a time measured
+    // no better than 4. The same per-lane arithmetic, in the same block order.
     if constexpr (XT == kDtypeBF16)
         if (kAmx) {
             direct_blocks<WT, XT, R, 4>(a, rec, 0, a.k / kBlock, r0, total);
