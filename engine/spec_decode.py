@@ -119,7 +119,7 @@ class SpecDecoder:
         if state is not None and state.request is req:
             self._adapt(state, num_drafts, verified.num_accepted)
         if self._stats is None:
-            self._stats = SpecDecodingStats()
+            self._stats = SpecDecodingStats(threshold=self.threshold)
         self._stats.observe(num_drafts, verified.num_accepted)
 
     def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:

@@ -8,7 +8,10 @@ Every `interval` seconds while the engine is busy, one INFO line on the `brine.m
 With speculative decoding, a window that verified drafts adds its draft acceptance rate and mean acceptance
 length (tokens per verified draft, the model's own next token included), as vLLM's SpecDecoding line does:
 
-    ..., Spec decode acceptance rate: 71.2% (299/420 draft tokens), mean acceptance length 3.42
+    ..., Spec decode acceptance rate: 71.2% (299/420 draft tokens), mean acceptance length 3.42, draft threshold 0.063
+
+The threshold is the least chance of acceptance a draft token needed in the window's last drafting step: the
+configured `min_draft_acceptance`, or, "auto", what a draft row measured to cost (engine.spec_cost).
 
 The hit rate is over the last `window_requests` requests (not since start: an old warm-up would hide a cache
 that stopped paying), and shows the token counts behind it, or "n/a" before any lookup, never a made-up 0%.
@@ -112,6 +115,8 @@ class LoggingStatLogger(StatLogger):
                 self._spec.num_drafts += sd.num_drafts
                 self._spec.num_draft_tokens += sd.num_draft_tokens
                 self._spec.num_accepted_tokens += sd.num_accepted_tokens
+                if sd.threshold is not None:  # the window's latest
+                    self._spec.threshold = sd.threshold
             if s.prefix_cache_reset:
                 self.window.clear()
             pc = s.prefix_cache
@@ -168,6 +173,7 @@ class LoggingStatLogger(StatLogger):
             f", Spec decode acceptance rate: {100 * sd.num_accepted_tokens / sd.num_draft_tokens:.1f}% "
             f"({sd.num_accepted_tokens}/{sd.num_draft_tokens} draft tokens), mean acceptance length "
             f"{1 + sd.num_accepted_tokens / sd.num_drafts:.2f}"
+            + (f", draft threshold {sd.threshold:.3f}" if sd.threshold is not None else "")
             if sd.num_draft_tokens
             else ""
         )

@@ -87,6 +87,9 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     # Entry i: drafts whose token at position i was accepted (so it never grows along the list).
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # The least chance of acceptance a draft token needed in this step (engine.spec_decode: min_draft_acceptance,
+    # or what a draft row measured to cost, engine.spec_cost); None where not known.
+    threshold: float | None = None
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1

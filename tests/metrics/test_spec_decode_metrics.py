@@ -74,3 +74,19 @@ def test_log_line_shows_the_acceptance_rate_only_for_windows_with_drafts(
     assert lines[1].endswith(
         "Spec decode acceptance rate: 50.0% (4/8 draft tokens), mean acceptance length 3.00"
     )
+
+
+def test_log_line_shows_the_windows_latest_draft_threshold(caplog: pytest.LogCaptureFixture) -> None:
+    t = [100.0]
+    logger = LoggingStatLogger(interval=10, clock=lambda: t[0], autostart=False)
+    first, second = spec((4, 3)), spec((2, 0))
+    first.threshold, second.threshold = 0.3, 0.0625
+    with caplog.at_level(logging.INFO, logger="brine.metrics"):
+        for sd in (first, second, spec((1, 1))):  # the last step's threshold unknown: the latest known stays
+            logger.record(
+                SchedulerStats(num_running=1), IterationStats(num_generation_tokens=3, spec_decoding=sd)
+            )
+        t[0] += 10
+        logger.tick()
+    lines = [r.getMessage() for r in caplog.records if r.name == "brine.metrics"]
+    assert lines[0].endswith("(4/7 draft tokens), mean acceptance length 2.33, draft threshold 0.062")
