@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from time import perf_counter  # a step's own duration (engine.spec_cost): never the requests' clock
 from typing import TYPE_CHECKING, Protocol
 
 from engine.attribution import execute_attributing
@@ -324,12 +325,12 @@ class EngineCore:
 
                 def hook() -> None:
                     if self._pacer.due():
-                        paused = time.perf_counter()
+                        paused = perf_counter()
                         between.poll()
                         outputs = self._express_pass(in_flight, inside=True)
                         served[0] = served[0] or bool(outputs)
                         between.emit(outputs)
-                        self._paused += time.perf_counter() - paused
+                        self._paused += perf_counter() - paused
 
         outputs = self._run(sched_out, hook)
         if self.scheduler.has_express() and (not served[0] or self._pacer.due()):
@@ -359,7 +360,7 @@ class EngineCore:
                 req.first_scheduled_time = now
         if not inside:
             self._paused = 0.0
-        started = time.perf_counter()
+        started = perf_counter()
         result = (
             execute_attributing(self.runner, sched_out, between_layers)
             if sched_out.scheduled
@@ -370,7 +371,7 @@ class EngineCore:
             # What a draft row costs here, for "auto" min_draft_acceptance (engine.spec_cost): timed only where
             # the step is nothing but decode rows, less the express passes made while it was paused.
             drafts = sum(len(sr.draft_token_ids) for sr in sched_out.scheduled)
-            spec.observe_step(len(sched_out.scheduled), drafts, time.perf_counter() - started - self._paused)
+            spec.observe_step(len(sched_out.scheduled), drafts, perf_counter() - started - self._paused)
         if self.tiers is not None and inside:
             # The blocks cached so far include the paused step's, not computed yet: they all go out at its end
             # (a pinned block is never reused meanwhile), but for those this pass failed to compute.
