@@ -803,30 +803,41 @@ struct Bf16Work {
 // over the threads (3 KV heads' items on 2 threads left one idle for a third of the step). Each part walks the
 // context again, but on tiles the walk is not what 32 rows cost. A row's arithmetic is its own wherever its
 // item is cut (as the planner's cuts already are: engine/model/attention/native.py), so the bits are the same.
+// Only where the parts spread over the threads better than the whole items do (one sequence's verify chunk: its
+// 3 units on 2 threads, 6 parts on 2), and an item goes in at most kMostParts parts: where the whole items
+// already spread evenly, a part's kept tiles about pay for its extra walk and no more (16 new tokens as two
+// items of 8, on 2 threads: 0.97x cut), and a prefill's 16-token items cut in 4 walked each context 4 times
+// (prefills of 512 and 2,048 tokens 1.2-1.3x slower; attention_bench --baseline). Cut: verify chunks of 9
+// tokens 1.14x faster, a 13-token question over a cached document 1.09x.
+constexpr int kMostParts = 3;
 template <int DC>
 void run_bf16_items(const Args& a, int threads) {
     struct Part {
         int64_t item;
         int t0, nt;
     };
-    std::vector<Part> parts;
+    std::vector<Part> parts;  // empty: every item whole
     const int group = a.heads / a.kv_heads;
-    const bool cut = kAmx && DC == 64 && group <= 16;
-    for (int64_t i = 0; i < a.num_items; ++i) {
-        const int ntok = a.items[i * 5 + 1];
-        const int most = cut ? 16 / group : ntok;  // tokens per part: a tile of rows
-        if (ntok <= most) {
-            parts.push_back({i, 0, 0});
-            continue;
-        }
-        const int count = (ntok + most - 1) / most;
-        for (int p = 0, t0 = 0; p < count; ++p) {  // near-equal parts: 9 tokens as 5 + 4
-            const int nt = ntok / count + (p < ntok % count ? 1 : 0);
-            parts.push_back({i, t0, nt});
-            t0 += nt;
-        }
+    if (kAmx && DC == 64 && group <= 16) {
+        const int most = 16 / group;  // tokens per part: a tile of rows
+        const auto count = [&](int64_t i) {
+            const int n = (a.items[i * 5 + 1] + most - 1) / most;
+            return n > kMostParts ? 1 : n;
+        };
+        int64_t total = 0, widest = 1;
+        for (int64_t i = 0; i < a.num_items; ++i) total += count(i), widest = std::max<int64_t>(widest, count(i));
+        const auto rounds = [&](int64_t units) { return (units * a.kv_heads + threads - 1) / threads; };
+        if (widest > 1 && rounds(total) < widest * rounds(a.num_items))
+            for (int64_t i = 0; i < a.num_items; ++i) {
+                const int ntok = a.items[i * 5 + 1], n = count(i);
+                for (int p = 0, t0 = 0; p < n; ++p) {  // near-equal parts: 9 tokens as 5 + 4
+                    const int nt = n == 1 ? 0 : ntok / n + (p < ntok % n ? 1 : 0);
+                    parts.push_back({i, t0, nt});
+                    t0 += nt;
+                }
+            }
     }
-    const int64_t work = static_cast<int64_t>(parts.size()) * a.kv_heads;
+    const int64_t work = (parts.empty() ? a.num_items : static_cast<int64_t>(parts.size())) * a.kv_heads;
 #pragma omp parallel num_threads(threads)
     {
 #if defined(BRINE_SIMD_AMX)
@@ -836,7 +847,7 @@ void run_bf16_items(const Args& a, int threads) {
         Bf16Work<DC> w;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < work; ++u) {
-            const Part& p = parts[u / a.kv_heads];
+            const Part p = parts.empty() ? Part{u / a.kv_heads, 0, 0} : parts[u / a.kv_heads];
             w.reset(a, p.item, static_cast<int>(u % a.kv_heads), p.t0, p.nt);
             w.scores(a);
             w.values(a);
