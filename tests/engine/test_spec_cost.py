@@ -100,8 +100,8 @@ def test_the_engine_times_its_decode_steps_for_the_threshold() -> None:
     assert decoder is not None and decoder.cost is not None
     decode_steps = sum(1 for out in runner.steps if out.decode_only())
     assert decode_steps >= 10 and decode_steps < len(runner.steps)  # the prompt's chunks ran too
-    # every decode step was taken in (but for a stall left out), and no prefill chunk was
-    assert decode_steps - 2 <= decoder.cost.classes[0].steps <= decode_steps
+    # every decode step was taken in (but for a few stalls left out on a loaded machine), and no prefill chunk was
+    assert decode_steps - 5 <= decoder.cost.classes[0].steps <= decode_steps
 
 
 @dataclass
@@ -117,14 +117,14 @@ class PausingSpecRunner(SpecFakeRunner):
 
 
 class SlowPause:
-    """The driver's side of a pause (engine.express.Interjection), taking 50 ms."""
+    """The driver's side of a pause (engine.express.Interjection), taking 150 ms."""
 
     def __init__(self) -> None:
         self.polls = 0
 
     def poll(self) -> None:
         self.polls += 1
-        time.sleep(0.05)
+        time.sleep(0.15)
 
     def emit(self, outputs: list) -> None:
         pass
@@ -150,4 +150,4 @@ def test_a_steps_pauses_are_not_counted_as_its_own_time() -> None:
         core.step(between=pause)
     sixteen = [s for n, s in seen if n == 16]
     assert pause.polls >= 3 and len(sixteen) >= 3  # decode steps of all 16 ran, and paused
-    assert max(sixteen) < 0.04, sixteen  # each paused 50 ms: left out
+    assert max(sixteen) < 0.1, sixteen  # each paused 150 ms: left out
