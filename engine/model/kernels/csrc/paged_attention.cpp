@@ -167,24 +167,23 @@ struct ItemKeys {
         const int32_t* it = a.items + item * 5;
         tok0 = it[0], ntok = it[1], pos0 = it[2], ctx = it[3];
         table = a.tables + static_cast<int64_t>(it[4]) * a.table_width;
+        find_blocks(a, bs);
+    }
+    // Tokens [t0, t0 + n) of this item as an item of their own (the blocks they see, and no more).
+    ItemKeys narrowed(const Args& a, int t0, int n, int bs) const {
+        ItemKeys out = *this;
+        out.tok0 = tok0 + t0, out.ntok = n, out.pos0 = pos0 + t0;
+        out.find_blocks(a, bs);
+        return out;
+    }
+    // b_lo, b_hi: the blocks of bs keys that any of the tokens sees.
+    void find_blocks(const Args& a, int bs) {
         int lo_all = ctx, hi_all = 0;
         for (int t = 0; t < ntok; ++t) {
             lo_all = std::min(lo_all, first_key(a, t));
             hi_all = std::max(hi_all, end_key(a, t));
         }
         b_lo = lo_all / bs, b_hi = (hi_all + bs - 1) / bs;
-    }
-    // Tokens [t0, t0 + n) of this item as an item of their own (the blocks they see, and no more).
-    ItemKeys narrowed(const Args& a, int t0, int n, int bs) const {
-        ItemKeys out = *this;
-        out.tok0 = tok0 + t0, out.ntok = n, out.pos0 = pos0 + t0;
-        int lo_all = ctx, hi_all = 0;
-        for (int t = 0; t < n; ++t) {
-            lo_all = std::min(lo_all, out.first_key(a, t));
-            hi_all = std::max(hi_all, out.end_key(a, t));
-        }
-        out.b_lo = lo_all / bs, out.b_hi = (hi_all + bs - 1) / bs;
-        return out;
     }
     int first_key(const Args& a, int t) const { return a.window > 0 ? std::max(0, pos0 + t - a.window + 1) : 0; }
     int end_key(const Args& a, int t) const { return a.causal ? pos0 + t + 1 : ctx; }
@@ -825,7 +824,10 @@ void run_bf16_items(const Args& a, int threads) {
             return n > kMostParts ? 1 : n;
         };
         int64_t total = 0, widest = 1;
-        for (int64_t i = 0; i < a.num_items; ++i) total += count(i), widest = std::max<int64_t>(widest, count(i));
+        for (int64_t i = 0; i < a.num_items; ++i) {
+            const int64_t n = count(i);
+            total += n, widest = std::max(widest, n);
+        }
         const auto rounds = [&](int64_t units) { return (units * a.kv_heads + threads - 1) / threads; };
         if (widest > 1 && rounds(total) < widest * rounds(a.num_items))
             for (int64_t i = 0; i < a.num_items; ++i) {
