@@ -262,22 +262,64 @@ TIER_CAPS = {
 TIER_CAPS["avx512-vnni"] = TIER_CAPS["avx512"]
 
 
+# What torch.cpu's CPUID helpers answer on each emulated tier's CPU, where the machine's own answer would be
+# wrong there. vLLM CPU picks its C++ extension with them (vllm/platforms/cpu.py, import_kernels: `_C` for
+# AVX512-BF16, `_C_AVX512`, `_C_AVX2`) and its attention's ISA (cpu_attn: AMX tiles for bfloat16): under the caps
+# alone it loaded the machine's AVX512-BF16 extension in every emulation (sessions 12-28), so its attention and
+# fused kernels ran code no AVX2 or Ice Lake CPU has. benchmarks/tier_cpuid/sitecustomize.py gives these answers
+# in every process of vLLM's environment. Ice Lake class: AVX512 and VNNI as the machine says, no BF16, no AMX.
+TIER_CPUID = {
+    "avx2": {
+        "_is_avx512_supported": False,
+        "_is_vnni_supported": False,
+        "_is_avx512_bf16_supported": False,
+        "_is_amx_tile_supported": False,
+        "_is_amx_fp16_supported": False,
+    },
+    "avx512": {
+        "_is_avx512_bf16_supported": False,
+        "_is_amx_tile_supported": False,
+        "_is_amx_fp16_supported": False,
+    },
+}
+TIER_CPUID["avx512-vnni"] = TIER_CPUID["avx512"]
+TIER_CPUID_PATH = ROOT / "benchmarks" / "tier_cpuid"
+
+
+def emulated_tier(environ: dict[str, str] | None = None) -> str | None:
+    """The lower tier BRINE_CPU_TIER emulates, or None on the machine's own."""
+    tier = (os.environ if environ is None else environ).get("BRINE_CPU_TIER", "").strip().lower()
+    return tier if tier in TIER_CAPS else None
+
+
 def apply_tier_caps(environ: dict[str, str] | None = None) -> str | None:
     """Where BRINE_CPU_TIER emulates a lower tier, every cap of TIER_CAPS the caller did not set is set in
     `environ` (os.environ: every server started inherits it); the note says which caps each server ran under.
-    vLLM CPU picks its own C++ extension by CPUID (torch.cpu._is_avx512_bf16_supported), so its attention and
-    fused kernels still run the machine's own ISA under these caps: its figures are an upper bound there."""
+    vLLM CPU also gets that tier's CPUID answers (tier_cpuid_env)."""
     env = os.environ if environ is None else environ
-    tier = env.get("BRINE_CPU_TIER", "").strip().lower()
-    if tier not in TIER_CAPS:
+    tier = emulated_tier(env)
+    if tier is None:
         return None
     for key, value in TIER_CAPS[tier].items():
         env.setdefault(key, value)
     caps = ", ".join(f"{key}={env[key]}" for key in TIER_CAPS[tier])
+    answers = ", ".join(f"torch.cpu.{k}() = {v}" for k, v in TIER_CPUID[tier].items())
     return (
-        f"tier {tier} emulated (BRINE_CPU_TIER={tier}); every server ran under {caps}; vLLM CPU's own C++ "
-        "kernels choose their ISA by CPUID, not by these caps, so its figures are an upper bound for this tier"
+        f"tier {tier} emulated (BRINE_CPU_TIER={tier}); every server ran under {caps}; vLLM CPU, which picks its "
+        f"C++ extension and attention ISA by CPUID, ran with {answers} (benchmarks/tier_cpuid), so it loaded the "
+        "extension this tier's CPU would"
     )
+
+
+def tier_cpuid_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that makes torch.cpu's CPUID helpers answer as the emulated tier's CPU (TIER_CPUID), for a
+    server started from `environ` ({} on the machine's own tier)."""
+    env = os.environ if environ is None else environ
+    tier = emulated_tier(env)
+    if tier is None:
+        return {}
+    path = os.pathsep.join(p for p in (str(TIER_CPUID_PATH), env.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "BRINE_TORCH_CPUID": json.dumps(TIER_CPUID[tier])}
 
 
 def vllm_spec(threads: int) -> ServerSpec | str:
@@ -301,6 +343,7 @@ def vllm_spec(threads: int) -> ServerSpec | str:
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
         "HF_HUB_OFFLINE": "1",
+        **tier_cpuid_env(),
     }
     return ServerSpec(f"vllm-cpu {version}", f"http://127.0.0.1:{port}", cmd,
                       ["vllm-cpu runs the same weights in float32 (Brine's conversion of the GGUF), with prefix "
