@@ -35,7 +35,7 @@ from engine.config import EngineConfig
 from engine.ngram_proposer import NgramIndex
 from engine.sampling_params import SamplingParams
 from engine.spec_config import SpeculativeConfig
-from engine.spec_decode import SpecDecoder, _RequestSpec
+from engine.spec_decode import RequestSpec, SpecDecoder
 
 # A step of K drafts' cost over a plain step, K = 0..8: one sequence over 2,000 cached tokens, AMX Xeon,
 # session 28 (spec_step_cost.py --batch 1 --draft 0,1,2,3,4,6,8; 5 and 7 interpolated).
@@ -71,22 +71,25 @@ def replay(
     """(steps, summed step cost) of decoding `answer` after `prompt` under `config` at a fixed threshold."""
     decoder = SpecDecoder(config, 1 << 30)
     decoder.threshold = threshold
-    state = _RequestSpec(None, NgramIndex(config.prompt_lookup_min))  # type: ignore[arg-type]
+    state = RequestSpec(None, NgramIndex(config.prompt_lookup_min))  # type: ignore[arg-type]
     tokens = prompt + answer[:1]  # the prefill's step samples the first token
     i, steps, cost = 1, 1, 1.0
     while i < len(answer):
-        left = len(answer) - i - 1
+        left = len(answer) - i - 1  # as SpecDecoder.propose: never a draft past max_tokens
         drafts: list[int] = []
-        if left >= 1 and state.skip:
-            state.skip -= 1
-        elif left >= 1:
-            k = min(decoder.num_drafts(state.rate()), left)
-            drafts = propose(state.index, tokens, k, config.prompt_lookup_max, answer[i:])
+        if left >= 1:
+            drafts = decoder.draft(
+                state,
+                left,
+                lambda k, known=tokens, rest=answer[i:]: propose(
+                    state.index, known, k, config.prompt_lookup_max, rest
+                ),
+            )
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == answer[i + accepted]:
             accepted += 1
         if drafts:
-            decoder._adapt(state, len(drafts), accepted)
+            decoder.adapt(state, len(drafts), accepted)
         cost += costs[min(len(drafts), len(costs) - 1)]
         tokens += answer[i : i + accepted + 1]
         i += accepted + 1

@@ -32,6 +32,7 @@ KV cache manager hashes and caches only blocks full of known (appended) tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.ngram_proposer import NgramIndex
@@ -49,7 +50,7 @@ DECAY = 0.85
 
 
 @dataclass(slots=True, eq=False)
-class _RequestSpec:
+class RequestSpec:
     request: Request  # whose state this is (an id may be reused once its request has finished)
     index: NgramIndex
     accepted: float = PRIOR_ACCEPTED  # draft tokens accepted (decayed)
@@ -66,7 +67,7 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self._states: dict[str, _RequestSpec] = {}
+        self._states: dict[str, RequestSpec] = {}
         self._step_left = 0  # draft tokens this step may still hand out
         self._stats: SpecDecodingStats | None = None
         # min_draft_acceptance "auto" (None): measured from the engine's own steps (engine.spec_cost), per step's
@@ -98,15 +99,22 @@ class SpecDecoder:
         state = self._states.get(req.request_id)
         if state is None or state.request is not req:
             c = self.config
-            state = _RequestSpec(req, NgramIndex(c.prompt_lookup_min))
+            state = RequestSpec(req, NgramIndex(c.prompt_lookup_min))
             self._states[req.request_id] = state
+        drafts = self.draft(
+            state, left, lambda k: state.index.propose(req.all_token_ids, k, self.config.prompt_lookup_max)
+        )
+        self._step_left -= len(drafts)
+        return drafts
+
+    def draft(self, state: RequestSpec, left: int, lookup: Callable[[int], list[int]]) -> list[int]:
+        """A request's drafts in a step that allows it `left` (>= 1): none while it skips lookups, else what
+        `lookup` finds for the K its acceptance rate is worth (num_drafts), at most `left`. benchmarks/spec_replay
+        runs the same steps offline, with other lookups."""
         if state.skip:
             state.skip -= 1
             return []
-        k = self.num_drafts(state.rate())
-        drafts = state.index.propose(req.all_token_ids, min(k, left), self.config.prompt_lookup_max)
-        self._step_left -= len(drafts)
-        return drafts
+        return lookup(min(self.num_drafts(state.rate()), left))
 
     def apply(self, req: Request, num_drafts: int, verified: VerifiedDrafts) -> None:
         """After the runner verified `num_drafts` drafts of `req` (and `req.num_computed_tokens` was advanced
@@ -117,7 +125,7 @@ class SpecDecoder:
         req.num_computed_tokens -= num_drafts - verified.num_accepted
         state = self._states.get(req.request_id)
         if state is not None and state.request is req:
-            self._adapt(state, num_drafts, verified.num_accepted)
+            self.adapt(state, num_drafts, verified.num_accepted)
         if self._stats is None:
             self._stats = SpecDecodingStats(threshold=self.threshold)
         self._stats.observe(num_drafts, verified.num_accepted)
@@ -130,7 +138,7 @@ class SpecDecoder:
     def num_drafts(self, rate: float) -> int:
         """How many tokens to draft at this per-token acceptance `rate`: the j-th is accepted with chance
         rate ** j, and is drafted while that is at least the step's threshold (min_draft_acceptance, or what a
-        draft row measured to cost: engine.spec_cost; at least one: a probe, which `_adapt` spaces out while it
+        draft row measured to cost: engine.spec_cost; at least one: a probe, which `adapt` spaces out while it
         keeps failing), at most num_speculative_tokens."""
         c = self.config
         k, chance = 0, rate
@@ -139,7 +147,8 @@ class SpecDecoder:
             chance *= rate
         return max(1, k)
 
-    def _adapt(self, state: _RequestSpec, drafted: int, accepted: int) -> None:
+    def adapt(self, state: RequestSpec, drafted: int, accepted: int) -> None:
+        """After `drafted` drafts of which the first `accepted` were: the rate estimate, and the lookups to skip."""
         state.accepted = state.accepted * DECAY + accepted
         state.tested = state.tested * DECAY + accepted + (1 if accepted < drafted else 0)
         if accepted == 0 and state.rate() < self.threshold:

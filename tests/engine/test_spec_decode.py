@@ -21,7 +21,7 @@ from engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprob, Verified
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.spec_config import SpeculativeConfig
-from engine.spec_decode import SpecDecoder, _RequestSpec
+from engine.spec_decode import RequestSpec, SpecDecoder
 from engine.spec_verify import accept
 from kv_cache.stats import BlockStored
 
@@ -225,8 +225,8 @@ def test_speculative_config_parses_vllm_shape_and_refuses_bad_values() -> None:
             SpeculativeConfig.from_json(bad)
 
 
-def _spec_state(config: SpeculativeConfig) -> tuple[SpecDecoder, _RequestSpec]:
-    return SpecDecoder(config, 1024), _RequestSpec(None, NgramIndex(2))  # type: ignore[arg-type]
+def _spec_state(config: SpeculativeConfig) -> tuple[SpecDecoder, RequestSpec]:
+    return SpecDecoder(config, 1024), RequestSpec(None, NgramIndex(2))  # type: ignore[arg-type]
 
 
 def test_k_follows_the_chance_that_each_draft_token_is_accepted() -> None:
@@ -234,12 +234,12 @@ def test_k_follows_the_chance_that_each_draft_token_is_accepted() -> None:
     drafts 4, a fully rejected draft brings it to 2, accepted ones raise it to K; never below one."""
     spec, state = _spec_state(SpeculativeConfig(num_speculative_tokens=8))
     assert state.rate() == 0.75 and spec.num_drafts(state.rate()) == 4  # .75 .56 .42 .32 | .24
-    spec._adapt(state, 4, 0)  # 2.55 of 4.4: .58 .34 | .19
+    spec.adapt(state, 4, 0)  # 2.55 of 4.4: .58 .34 | .19
     assert spec.num_drafts(state.rate()) == 2 and state.skip == 0  # still worth drafting: no skip
     for _ in range(6):
-        spec._adapt(state, 4, 4)
+        spec.adapt(state, 4, 4)
     assert state.rate() > 0.86 and spec.num_drafts(state.rate()) == 8
-    spec._adapt(state, 8, 3)  # a partial acceptance costs one rejected token's worth, not all of K
+    spec.adapt(state, 8, 3)  # a partial acceptance costs one rejected token's worth, not all of K
     assert spec.num_drafts(state.rate()) >= 6
     assert spec.num_drafts(0.01) == 1  # a probe
     assert SpecDecoder(SpeculativeConfig(min_draft_acceptance=0.0), 1024).num_drafts(0.01) == 4
@@ -249,12 +249,12 @@ def test_drafts_that_keep_failing_space_out_their_lookups() -> None:
     spec, state = _spec_state(SpeculativeConfig(num_speculative_tokens=4))
     skips = []
     for _ in range(8):
-        spec._adapt(state, spec.num_drafts(state.rate()), 0)
+        spec.adapt(state, spec.num_drafts(state.rate()), 0)
         skips.append(state.skip)
     # worth drafting after three failures (rate .58, .46, .37), then .30 and below: skipped 1, 2, 4 .. steps
     assert skips == [0, 0, 0, 1, 2, 4, 8, 16]
     state.skip = 0  # those lookups skipped, the next probe is accepted: looked up every step again
-    spec._adapt(state, 1, 1)
+    spec.adapt(state, 1, 1)
     assert state.skip == 0 and state.misses == 0
 
 
