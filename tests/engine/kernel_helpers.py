@@ -25,13 +25,16 @@ def kernels_or_skip(part: str | None = None, what: str = "") -> native_kernels.K
 def assert_rows_keep_their_bits(
     layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, got: torch.Tensor, what: str
 ) -> None:
-    """`got`, `layer(x)`: its rows are the bits of the same rows computed alone (every 4th), three and four
+    """`got`, `layer(x)`: its rows are the bits of the same rows computed alone (every 4th), two, three and four
     together (a step of one row group, which the Q8 path runs straight from the records; AVX2's Q8 groups are
-    otherwise 3 rows), in a slice of the batch (rows 5-29), and on one thread."""
+    otherwise 3 rows; AVX2's float32 groups take 2 blocks at a time up to 3 rows, one beside 4), seven together
+    (groups of 4 and 3), in a slice of the batch (rows 5-29), and on one thread."""
     alone = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 4)])
     assert torch.equal(alone, got[0 : x.shape[0] : 4]), what
     assert torch.equal(layer(x[1:4]), got[1:4]), what
     assert torch.equal(layer(x[6:10]), got[6:10]), what
+    assert torch.equal(layer(x[10:12]), got[10:12]), what
+    assert torch.equal(layer(x[12:19]), got[12:19]), what
     assert torch.equal(layer(x[5:30]), got[5:30]), what
     threads = torch.get_num_threads()
     try:

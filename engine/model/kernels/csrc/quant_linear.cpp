@@ -69,14 +69,16 @@ constexpr bool kBf16Dot = true;
 constexpr bool kBf16Dot = false;
 #endif
 
-// The float32 dot products of R rows take input_step(R) inputs' weight vectors at a time (each lane's fmas in the
-// same order either way): two, except on AVX2 beside more than 4 rows, where two inputs' weights (four ymm)
-// beside 6 rows' partial sums (12 ymm) left a sum spilled to the stack and its chain waiting on a store-to-load
-// forward in every iteration (one at a time measured 1.05-1.2x faster there, one thread). With few rows (decode)
-// there are registers to spare, and one at a time made an AVX2 decode step ~1.4x slower.
+// The float32 dot products of R rows (NB blocks at a time: blocks_at_once) take input_step(R) inputs'
+// weight vectors at a time (each lane's fmas in the same order either way). AVX512: two. AVX2's 16 ymm hold
+// 2 x R x NB partial sums, the R rows' totals (2 x R), the inputs' weights (2 each) and x's broadcast: two
+// inputs fit only beside one row and 4 blocks (15); elsewhere they spilled a partial sum, whose chain then waited
+// on a store-to-load forward in every iteration. One at a time there: 6 rows 1.05-1.2x faster (one thread); 2
+// rows (2 blocks) and 3 rows (now 2 blocks, see blocks_at_once) below. 4 rows spill either way and measured ~5%
+// faster with two (gate/up 3.04 against 3.24 ms, spec_step_cost.py --kernels 4 --clock wall).
 constexpr int input_step(int rows) {
 #if defined(BRINE_SIMD_AVX2)
-    return rows > 4 ? 1 : 2;
+    return rows == 1 || rows == 4 ? 2 : 1;
 #else
     return static_cast<void>(rows), 2;
 #endif
@@ -476,7 +478,7 @@ inline void blocks_dot(const Args& a, const VF* w, int64_t b0, int64_t r0, VF* t
             for (int i = 0; i < NB; ++i)
                 for (int r = 0; r < R; ++r) part[h][i][r] = vzero();
         const auto inputs = [&](int h, int i0, int i1) {
-            constexpr int kStep = input_step(R * NB);
+            constexpr int kStep = input_step(R);
             for (int j = i0; j < i1; j += kStep)
                 for (int i = 0; i < NB; ++i) {
                     VF wj[kStep];
@@ -559,12 +561,16 @@ inline void with_rows(int rows, F&& f) {
 // Blocks of one tile taken together by group_direct for R rows: enough independent chains to cover the dot
 // products' latency (blocks_dot), while the NB x R partial sums and R totals stay in registers (AVX512: 32
 // vectors; AVX2: 16, two per VF). More spilled them: on AVX2, 2 blocks beside 5 rows made the float32 linears
-// 1.4x slower. The portable build keeps one block at a time (unmeasured there).
+// 1.4x slower, and beside 4 rows 1.1x. AVX2's 3 rows take 2 blocks, one input at a time (input_step): one block
+// was 6 fma chains, fewer than the 8 that two ports of 4-cycle fmas need, and 3 rows cost more than 4.
+// spec_step_cost.py --kernels 1,2,3,4,5 --clock wall --dtype float32 --baseline (emulated AVX2, two threads,
+// the 30 layers' linears and head of a verify chunk; same bits): 2 rows 7.38 -> 6.46 ms, 3 rows 9.60 -> 7.41,
+// 1, 4 and 5 rows unchanged. The portable build keeps one block at a time (unmeasured there).
 constexpr int blocks_at_once(int rows) {
 #if defined(BRINE_SIMD_AVX512)
     return rows <= 1 ? 4 : rows <= 6 ? 2 : 1;  // (4 beside 2 rows: the int8 head 1.5x slower, its 4 blocks spilled)
 #elif defined(BRINE_SIMD_AVX2)
-    return rows <= 1 ? 4 : rows <= 2 ? 2 : 1;
+    return rows <= 1 ? 4 : rows <= 3 ? 2 : 1;
 #else
     return static_cast<void>(rows), 1;
 #endif
