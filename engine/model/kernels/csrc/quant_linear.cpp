@@ -596,6 +596,10 @@ template <int WT, int XT, int R>
 void group_direct(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0) {
     VF total[R];
     for (int r = 0; r < R; ++r) total[r] = vzero();
+    const auto walk = [&](auto blocks_at_a_time) {
+        direct_blocks<WT, XT, R, decltype(blocks_at_a_time)::value>(a, rec, 0, a.k / kBlock, r0, total);
+        store_rows<R>(a, total, tile, r0);
+    };
 #if defined(BRINE_SIMD_AMX)
     // On tiles a block's partial products are a tile and a store, not registers beside the rows' totals, so
     // every row count takes 4 blocks at a time (two pairs for amx_blocks' two tile sets), as one row does: one
@@ -605,14 +609,9 @@ void group_direct(const Args& a, const uint8_t* rec, int64_t tile, int64_t r0) {
     // 16-sequence decode step, gate/up 3.81 -> 3.12; 5 rows (2 -> 4 blocks) 1.88 -> 1.83; 8 at a time measured
     // no better than 4. The same per-lane arithmetic, in the same block order.
     if constexpr (XT == kDtypeBF16)
-        if (kAmx) {
-            direct_blocks<WT, XT, R, 4>(a, rec, 0, a.k / kBlock, r0, total);
-            store_rows<R>(a, total, tile, r0);
-            return;
-        }
+        if (kAmx) return walk(std::integral_constant<int, 4>{});
 #endif
-    direct_blocks<WT, XT, R, blocks_at_once(R)>(a, rec, 0, a.k / kBlock, r0, total);
-    store_rows<R>(a, total, tile, r0);
+    walk(std::integral_constant<int, blocks_at_once(R)>{});
 }
 
 // One row group against one tile's panel (its records unpacked for the whole K). Same arithmetic.
