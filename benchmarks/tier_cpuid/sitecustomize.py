@@ -7,9 +7,10 @@ imports `sitecustomize` at start-up in every process of that environment, vLLM's
 
 import json
 import os
+from collections.abc import Callable
 
 
-def _answer(value: bool):  # type: ignore[no-untyped-def]
+def _answer(value: bool) -> Callable[[], bool]:
     return lambda: value
 
 

@@ -73,9 +73,9 @@ constexpr bool kBf16Dot = false;
 // weight vectors at a time (each lane's fmas in the same order either way). AVX512: two. AVX2's 16 ymm hold
 // 2 x R x NB partial sums, the R rows' totals (2 x R), the inputs' weights (2 each) and x's broadcast: two
 // inputs fit only beside one row and 4 blocks (15); elsewhere they spilled a partial sum, whose chain then waited
-// on a store-to-load forward in every iteration. One at a time there: 6 rows 1.05-1.2x faster (one thread); 2
-// rows (2 blocks) and 3 rows (now 2 blocks, see blocks_at_once) below. 4 rows spill either way and measured ~5%
-// faster with two (gate/up 3.04 against 3.24 ms, spec_step_cost.py --kernels 4 --clock wall).
+// on a store-to-load forward in every iteration. One at a time there: 6 rows measured 1.05-1.2x faster (one
+// thread), and 2 and 3 rows beside 2 blocks are in blocks_at_once's figures. 4 rows spill either way and measured
+// ~5% faster with two (gate/up 3.04 against 3.24 ms, spec_step_cost.py --kernels 4 --clock wall).
 constexpr int input_step(int rows) {
 #if defined(BRINE_SIMD_AVX2)
     return rows == 1 || rows == 4 ? 2 : 1;
