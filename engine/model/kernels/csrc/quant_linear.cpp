@@ -423,8 +423,9 @@ inline void amx_blocks(const Args& a, const VF* w, const uint16_t* xb, int64_t a
 // blocks at a time give the CPU NB times the independent work. The per-lane arithmetic is unchanged.
 // Always inlined: GCC kept the bfloat16 instances a call of their own per block, so group_panel's row totals went
 // to memory and back around every 192 vdpbf16ps. Inlined, they stay in registers: on a Zen 4 EPYC (AVX512-BF16,
-// two threads) the bfloat16 linears at 2,048 rows 34.4 -> 27.5 ms, 128 rows 1.15x, 16 rows 1.11x, a verify
-// chunk's 9 and 16 rows 1.1x (quant_linear_bench.py, spec_step_cost.py --kernels); float32 and AVX2 unchanged.
+// two threads) the bfloat16 linears at 2,048 rows 34.4 -> 27.5 ms, 128 rows 1.15x, 16 rows 1.11x, 7 rows 1.16x
+// (quant_linear_bench.py); a verify chunk's 30 layers of linears at 9 and 16 rows 1.08x and 1.14x
+// (spec_step_cost.py --kernels); float32 and the AVX2 build unchanged.
 template <int XT, int R, int NB>
 __attribute__((always_inline)) inline void blocks_dot(const Args& a, const VF* w, int64_t b0, int64_t r0, VF* total) {
     constexpr int BV = block_vectors(XT);
