@@ -357,6 +357,7 @@ class ModelRunner:
             positions=dev[t : 2 * t],
             meta=meta,
             logits_indices=dev[3 * t :],
+            logits_rows=h.sample_rows + h.prompt_rows,
         )
 
     def _graphed(self, reqs: list[ScheduledRequest], h: _HostLists) -> tuple[_Rows, PaddedStep] | None:
@@ -393,6 +394,7 @@ class ModelRunner:
             step.logits_indices,
             self.layer_stack,
             between_layers,
+            step.logits_rows,
         )
         return self.model(step.input_ids, ctx)
 
@@ -449,6 +451,7 @@ class _Step(_Rows):
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N]: one row per sampling request, then the prompt-logprob rows
+    logits_rows: list[int]  # the same rows on the host
 
 
 def _unpack(

@@ -133,6 +133,18 @@ class Paged:
     ) -> list[torch.Tensor]:
         """batch: (new token ids, num already computed, block table) per request -> logits of every new
         token, per request. `between_layers`: the context's hook, called between two layers."""
+        logits = self.step_rows(batch, None, between_layers)
+        return list(logits.split([len(n) for n, _, _ in batch]))
+
+    def step_rows(
+        self,
+        batch: list[tuple[list[int], int, list[int]]],
+        rows: list[int] | None,
+        between_layers: Callable[[], None] | None = None,
+        host_rows: bool = True,
+    ) -> torch.Tensor:
+        """The logits of the step's token rows `rows` (None: every row), as the runner asks for them: the
+        rows on the device and, unless `host_rows` is False, on the host too (ForwardContext.logits_rows)."""
         ids = [t for new, _, _ in batch for t in new]
         pos = [p for new, start, _ in batch for p in range(start, start + len(new))]
         meta = self._build(
@@ -143,12 +155,13 @@ class Paged:
             self.device,
         )
         dev = torch.tensor([ids, pos], dtype=torch.int64).to(self.device)
-        rows = torch.arange(len(ids), device=self.device)
+        wanted = list(range(len(ids))) if rows is None else rows
+        indices = torch.tensor(wanted, dtype=torch.int64, device=self.device)
         ctx = self._context.for_step(
-            self.backend, meta, dev[1], self.k, self.v, rows, self.stack, between_layers
-        )
-        logits = self.model(dev[0], ctx)
-        return list(logits.split([len(n) for n, _, _ in batch]))
+            self.backend, meta, dev[1], self.k, self.v, indices, self.stack, between_layers,
+            wanted if host_rows else None,
+        )  # fmt: skip
+        return self.model(dev[0], ctx)
 
 
 @pytest.fixture

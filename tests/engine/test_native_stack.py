@@ -99,6 +99,55 @@ def test_the_stack_gives_the_bits_of_the_layers_run_from_python(tiny_model, page
     assert not torch.equal(with_stack[0], with_stack[1][: with_stack[0].shape[0]])  # not a constant
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_last_layer_runs_only_the_rows_the_step_wants_with_their_bits(
+    tiny_model, paged, dtype, monkeypatch
+):
+    """A step that wants the logits of some rows only (a prompt's last row, none for a chunk of it, a verify
+    chunk's drafts beside another request's row) runs the stack's last layer past the keys and values for those
+    rows alone: their logits have the bits of the Python layers, which run every row, and the caches hold the
+    same keys and values afterwards. Rows that are all of the step's, or out of order (prompt logprobs after
+    the sampling rows), run every row."""
+    from engine.model.models import native_stack
+
+    kernels = _kernels()
+    model = _quantized_tiny(tiny_model, dtype, kernels)
+    stack, why = NativeStack.build(model, NativeBackend(kernels))
+    assert stack is not None, why
+    kept: list[list[int] | None] = []
+    real = native_stack._kept_rows
+    monkeypatch.setattr(native_stack, "_kept_rows", lambda rows, t: kept.append(k := real(rows, t)) or k)
+    a = [(5 * i + 3) % 128 for i in range(48)]
+    b = [(7 * i + 2) % 128 for i in range(16)]
+
+    def run(s: NativeStack | None) -> tuple[list[torch.Tensor], object]:
+        p = paged(model, block_size=16, backend=NativeBackend(kernels), stack=s)
+        ta, tb = p.table_for(64), p.table_for(32)
+        steps = [
+            ([(a[:20], 0, ta)], []),  # a prompt's first chunk: no row
+            ([(a[20:40], 20, ta), (b[:13], 0, tb)], [19, 32]),  # each request's last row
+            (
+                [(a[40:45], 40, ta), (b[13:14], 13, tb)],
+                [1, 2, 3, 4, 5],
+            ),  # drafts, then the other request's row
+            ([(a[45:46], 45, ta), (b[14:15], 14, tb)], [0, 1]),  # a decode: every row
+            ([(a[46:48], 46, ta), (b[15:16], 15, tb)], [1, 2, 0]),  # out of order
+        ]
+        return [p.step_rows(batch, rows) for batch, rows in steps], p
+
+    with_stack, p_stack = run(stack)
+    assert kept == [[], [19, 32], [1, 2, 3, 4, 5], None, None], kept
+    from_python, p_python = run(None)
+    assert [x.shape[0] for x in with_stack] == [0, 2, 5, 2, 3]
+    for i, (x, y) in enumerate(zip(with_stack, from_python, strict=True)):
+        assert torch.equal(x, y), f"step {i}: {isa_summary()}"
+    for layer in range(model.cfg.num_layers):
+        assert torch.equal(p_stack.k[layer], p_python.k[layer]) and torch.equal(
+            p_stack.v[layer], p_python.v[layer]
+        )
+    assert not torch.equal(with_stack[2][0], with_stack[2][4])  # not a constant
+
+
 @pytest.mark.parametrize("use_stack", [True, False], ids=["stack", "python"])
 def test_a_step_run_between_two_layers_changes_no_bit_of_either(tiny_model, paged, use_stack):
     """The engine's express steps (engine.express) run inside another step's forward, between two of its

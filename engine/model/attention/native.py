@@ -16,6 +16,7 @@ tolerances. Where the kernels cannot be built (no compiler), `attention.chooser`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,26 @@ class NativePlan:
     tables: torch.Tensor  # [requests, width] int32 block ids, padded with 0 (never read)
     num_tokens: int
     is_causal: bool
+
+    def for_rows(self, rows: Sequence[int]) -> NativePlan:
+        """The plan of the step's token rows `rows` alone (strictly increasing): each row sees the keys it sees
+        in this plan, and consecutive rows of one request share an item (MAX_ITEM_TOKENS at most). The native
+        decoder stack runs its last layer's attention on the rows whose logits the step wants with it."""
+        # (first token, tokens, first position, context, table row) per item, in token order
+        spans = self.items.tolist()
+        items: list[int] = []
+        j = 0
+        for r in rows:
+            while spans[j][0] + spans[j][1] <= r:
+                j += 1
+            t0, _, p0, ctx, req = spans[j]
+            if items and items[-1] == req and items[-5] + items[-4] == r and items[-4] < MAX_ITEM_TOKENS:
+                items[-4] += 1  # the run of rows before goes on
+            else:
+                items += (r, 1, p0 + r - t0, ctx, req)
+        return NativePlan(
+            torch.tensor(items, dtype=torch.int32).view(-1, 5), self.tables, self.num_tokens, self.is_causal
+        )
 
 
 def item_tokens(query_len: int, threads: int, requests: int = 1) -> int:

@@ -69,7 +69,7 @@ def kv_dtype_runs(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
 
 ABI = 2  # what brine_paged_attention_abi() must return (bumped with the C signature)
 QUANT_ABI = 3  # what brine_quant_linear_abi() must return
-STACK_ABI = 4  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)
+STACK_ABI = 5  # what brine_decoder_stack_abi() must return (bumped with native_stack's structures)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Explicit lower targets: the -march that replaces "native", and the /proc/cpuinfo flags a CPU needs to run it.

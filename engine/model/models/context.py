@@ -22,7 +22,8 @@ class LayerStack(Protocol):
     def run(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
     ) -> torch.Tensor | None:
-        """The final norm of every row [T, hidden], or None where this step is not one it runs."""
+        """The final norm of the rows `ctx.logits_indices` names [N, hidden], or None where this step is not
+        one it runs."""
         ...
 
 
@@ -40,6 +41,9 @@ class ForwardContext:
     # engine runs a short step of other requests there (engine.express). It must not touch this step's
     # requests, blocks or buffers; the layers' results do not depend on it.
     between_layers: Callable[[], None] | None = None
+    # logits_indices on the host, where the caller has it: the native stack then runs its last layer past the
+    # keys and values only for these rows (None: it runs every row, as the Python layers do).
+    logits_rows: Sequence[int] | None = None
 
     @classmethod
     def for_step(
@@ -52,6 +56,7 @@ class ForwardContext:
         logits_indices: torch.Tensor,
         layer_stack: LayerStack | None = None,
         between_layers: Callable[[], None] | None = None,
+        logits_rows: Sequence[int] | None = None,
     ) -> ForwardContext:
         """The context of one step: plans the attention once for all layers."""
         plan = backend.plan(meta)
@@ -65,4 +70,5 @@ class ForwardContext:
             logits_indices,
             layer_stack,
             between_layers,
+            logits_rows,
         )

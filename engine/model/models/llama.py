@@ -222,8 +222,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(ctx.positions, h.dtype)
         normed = ctx.layer_stack.run(h, rope, ctx) if ctx.layer_stack is not None else None
-        if normed is not None:  # every row's final norm (a row's norm is computed alone: same bits)
-            h = normed.index_select(0, ctx.logits_indices)
+        if normed is not None:  # the final norm of the rows that sample or ask for prompt logprobs
+            h = normed
         else:
             hook = ctx.between_layers
             for i, layer in enumerate(self.layers):

@@ -74,6 +74,10 @@ class _Args(ctypes.Structure):
         ("threads", _I64),
         ("first_layer", _I64),
         ("end_layer", _I64),
+        ("keep", _P),
+        ("num_keep", _I64),
+        ("keep_items", _P),
+        ("num_keep_items", _I64),
     ]
 
 
@@ -162,8 +166,15 @@ class NativeStack:
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D / 2] in the model dtype
         ctx: ForwardContext,
     ) -> torch.Tensor | None:
-        """The final norm of every row's last hidden state [T, hidden], or None where this step is not one the
-        stack runs (the caller then runs the layers itself)."""
+        """The final norm of the last hidden state of the rows `ctx.logits_indices` names [N, hidden], or None
+        where this step is not one the stack runs (the caller then runs the layers itself).
+
+        Where the context has those rows on the host (`logits_rows`), strictly increasing and fewer than the
+        step's (a prompt, or its chunk, wants one row or none), the last layer computes every row's keys and
+        values and the rest only for them. A cold 2,029-token prompt to the default model then skips the last
+        of its 30 layers but the keys and values for all rows but one: 1.03x faster in process (bfloat16 on a
+        Zen 4 EPYC, and its AVX2 build in float32). Every kernel here computes a row alone, so a kept row's
+        bits are those of the full layer's."""
         plan, slot_mapping, k_caches, v_caches = ctx.plan, ctx.slot_mapping, ctx.k_caches, ctx.v_caches
         kv_dtype = k_caches[0].dtype
         if (
@@ -191,12 +202,15 @@ class NativeStack:
         x = torch.empty(t * self.hidden, dtype=self.dtype)
         widths = (qkv_n, q_size, q_size, self.hidden, 2 * inter, inter, self.hidden)
         width = sum(widths)
+        keep = _kept_rows(ctx.logits_rows, t)
         scratch = self._take_scratch(t, width)
         try:
-            self._run(x, scratch[: t * width], widths, h, cos, sin, slots, plan, k_caches, ctx)
+            self._run(x, scratch[: t * width], widths, h, cos, sin, slots, plan, k_caches, ctx, keep)
         finally:
             self._give_back(scratch)
-        return x.view(t, self.hidden)
+        if keep is None:
+            return x.view(t, self.hidden).index_select(0, ctx.logits_indices)
+        return x[: len(keep) * self.hidden].view(len(keep), self.hidden)
 
     # Spare buffers kept (the largest): a step and a short one the between_layers hook runs inside it.
     _KEPT = 2
@@ -234,6 +248,7 @@ class NativeStack:
         plan: NativePlan,
         k_caches: Sequence[torch.Tensor],
         ctx: ForwardContext,
+        keep: list[int] | None,
     ) -> None:
         t = h.shape[0]
         qkv, q, o, attn, gate_up, act, mlp = scratch.split([t * w for w in widths])
@@ -253,6 +268,11 @@ class NativeStack:
         a.qkv, a.q, a.o, a.attn = qkv.data_ptr(), q.data_ptr(), o.data_ptr(), attn.data_ptr()
         a.gate_up, a.act, a.mlp = gate_up.data_ptr(), act.data_ptr(), mlp.data_ptr()
         a.threads = torch.get_num_threads()
+        if keep is not None:
+            rows = torch.tensor(keep, dtype=torch.int64)
+            items = plan.for_rows(keep).items
+            a.keep, a.num_keep = rows.data_ptr(), len(keep)
+            a.keep_items, a.num_keep_items = items.data_ptr(), items.shape[0]
         num_layers = len(self.layers)
         hook = ctx.between_layers
         for first in range(num_layers) if hook is not None else (0,):
@@ -262,6 +282,21 @@ class NativeStack:
             rc = self.fn(ctypes.byref(a))
             if rc:
                 where = (
-                    f"layer {rc - 1}'s arguments" if rc > 0 else f"the layer range [{first}, {a.end_layer})"
+                    f"layer {rc - 1}'s arguments"
+                    if rc > 0
+                    else f"the layer range [{first}, {a.end_layer}) or the kept rows"
                 )
                 raise RuntimeError(f"the native decoder stack refused {where}")
+
+
+def _kept_rows(rows: Sequence[int] | None, tokens: int) -> list[int] | None:
+    """`rows` where the last layer can run on them alone (strictly increasing, fewer than the step's
+    `tokens`), else None: every row."""
+    if rows is None or len(rows) >= tokens:
+        return None
+    kept = list(rows)
+    if any(b <= a for a, b in zip(kept, kept[1:], strict=False)) or (
+        kept and (kept[0] < 0 or kept[-1] >= tokens)
+    ):
+        return None
+    return kept
