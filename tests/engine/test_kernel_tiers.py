@@ -229,18 +229,19 @@ def test_a_short_query_over_a_long_cached_context_has_the_bits_of_the_same_rows_
     ids=["gqa3", "window", "mqa-d128"],
 )
 def test_a_lone_decode_spread_over_the_threads_has_the_bits_of_one_thread(tier, kv_dtype, heads, dim, window):
-    """A lone decode (or a short verify chunk) over a long context has fewer units (KV heads) than spread
-    evenly over the threads: on the tiers with the keys-in-lanes path each unit's blocks, then its dims, are
-    split over the threads (csrc/paged_attention.cpp, run_split_units), with the bits of the unit run whole
-    on one thread, over float32 and float16 caches, with a sliding window, and right."""
+    """A lone decode (or a verify chunk, or a question at the end of a long context) has fewer units (KV
+    heads) than spread evenly over the threads: on the tiers with the keys-in-lanes path each unit's blocks,
+    then its dims, are split over the threads (csrc/paged_attention.cpp, run_split_units; on AVX2 also the
+    9-token verify chunk's 27 rows and the 13-token question's 39), with the bits of the unit run whole on
+    one thread, over float32 and float16 caches, with a sliding window, and right."""
     from test_native_attention import TOL, Paged, _on_one_and_more_threads
 
     from engine.model.attention.native import NativeBackend
 
     backend = NativeBackend(tier)
-    c = Paged(heads, dim, 16, torch.float32, blocks=300, seed=6)
+    c = Paged(heads, dim, 16, torch.float32, blocks=460, seed=6)
     c.k, c.v = c.k.to(kv_dtype), c.v.to(kv_dtype)
-    for n, ctx in ((1, 2000), (3, 1500), (1, 530)):
+    for n, ctx in ((1, 2000), (3, 1500), (1, 530), (9, 2000), (13, 1000)):
         reqs = [(n, ctx, c.table(ctx))]
         q = torch.randn(n, c.h, c.d, generator=c.g)
         what = f"{n} over {ctx}, {kv_dtype} cache, window {window}, on {tier.tier} ({isa_summary()})"
