@@ -141,10 +141,9 @@ class Paged:
         batch: list[tuple[list[int], int, list[int]]],
         rows: list[int] | None,
         between_layers: Callable[[], None] | None = None,
-        host_rows: bool = True,
     ) -> torch.Tensor:
         """The logits of the step's token rows `rows` (None: every row), as the runner asks for them: the
-        rows on the device and, unless `host_rows` is False, on the host too (ForwardContext.logits_rows)."""
+        rows on the device and on the host (ForwardContext.logits_rows)."""
         ids = [t for new, _, _ in batch for t in new]
         pos = [p for new, start, _ in batch for p in range(start, start + len(new))]
         meta = self._build(
@@ -158,9 +157,8 @@ class Paged:
         wanted = list(range(len(ids))) if rows is None else rows
         indices = torch.tensor(wanted, dtype=torch.int64, device=self.device)
         ctx = self._context.for_step(
-            self.backend, meta, dev[1], self.k, self.v, indices, self.stack, between_layers,
-            wanted if host_rows else None,
-        )  # fmt: skip
+            self.backend, meta, dev[1], self.k, self.v, indices, self.stack, between_layers, wanted
+        )
         return self.model(dev[0], ctx)
 
 
