@@ -185,6 +185,42 @@ def test_a_step_run_between_two_layers_changes_no_bit_of_either(tiny_model, page
     assert not torch.equal(straight[0][:9], alone[0])  # two different steps, not a constant
 
 
+def test_a_step_that_wants_one_row_keeps_its_bits_when_another_step_runs_between_its_layers(
+    tiny_model, paged
+):
+    """The stack run one call per layer (the express hook) with the last layer on the logits rows only: the
+    kept row's logits are those of the step run straight through, and the inner step, which wants its own
+    last row, gets the logits it gets alone. (Against the logits of every row this tiny model's dense head,
+    unpacked, is a torch matmul whose bits depend on its row count: the first test compares the stack with the
+    Python layers on the same rows instead.)"""
+    kernels = _kernels()
+    model = _quantized_tiny(tiny_model, torch.float32, kernels)
+    stack = NativeStack.build(model, NativeBackend(kernels))[0]
+    assert stack is not None
+    outer_tokens = [(7 * i + 1) % 128 for i in range(24)]
+    inner_tokens = [(3 * i + 5) % 128 for i in range(9)]
+
+    def fresh(seed: int = 0):  # type: ignore[no-untyped-def]
+        return paged(model, block_size=16, backend=NativeBackend(kernels), stack=stack, seed=seed)
+
+    p = fresh()
+    straight = p.step_rows([(outer_tokens, 0, p.table_for(24))], [23])
+    q = fresh(1)
+    alone = q.step_rows([(inner_tokens, 0, q.table_for(9))], [8])
+    p, q = fresh(), fresh(1)
+    q_table = q.table_for(9)
+    nested: list[torch.Tensor] = []
+
+    def hook() -> None:
+        if not nested:
+            nested.append(q.step_rows([(inner_tokens, 0, q_table)], [8]))
+
+    interrupted = p.step_rows([(outer_tokens, 0, p.table_for(24))], [23], hook)
+    assert straight.shape[0] == 1 and torch.equal(interrupted, straight), isa_summary()
+    assert torch.equal(nested[0], alone), isa_summary()
+    assert not torch.equal(straight[0], alone[0])  # two different steps, not a constant
+
+
 def test_the_stack_reuses_its_scratch_and_a_reused_buffer_changes_no_bit(tiny_model, paged):
     """The stack keeps its step scratch (a 2,000-token prefill's is ~60 MiB, which malloc would map afresh,
     page fault by page fault, every step): a new buffer's rows are rounded up (here to 8), a later step takes the
