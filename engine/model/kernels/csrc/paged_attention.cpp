@@ -1290,6 +1290,9 @@ constexpr int kKeyRowsTail = 0;
 #endif
 constexpr int kKeyTailTokens = 64;     // an item's first token at most this far from the end of its context,
 constexpr int kKeyTailContext = 512;  // and at least this far from its start
+inline bool at_context_tail(const ItemKeys& ik) {  // the two rules above
+    return ik.ctx - ik.pos0 <= kKeyTailTokens && ik.pos0 >= kKeyTailContext;
+}
 constexpr int kKeyRowGroup = 4;  // rows whose scores are computed together: independent fma chains
 // The value walk's register block: kKeyValueRows rows (a decode's GQA group is 3 in the default model) times
 // kKeyOutVecs output vectors of 16 dims each; every value vector is loaded (and widened from float16) once and
@@ -1600,9 +1603,8 @@ bool run_split_units(const Args& a, int threads) {
     for (int64_t i = 0; i < a.num_items; ++i) {
         iks[i] = ItemKeys(a, i, 16);
         const int rows = iks[i].ntok * (a.heads / a.kv_heads);
-        const bool tail = iks[i].ctx - iks[i].pos0 <= kKeyTailTokens && iks[i].pos0 >= kKeyTailContext;
-        if (!(rows <= kKeyRowsMax || (tail && rows <= kSplitRowsTail)) || (iks[i].b_hi - iks[i].b_lo) * 16 < kSplitMinKeys)
-            return false;
+        const bool keys_path = rows <= kKeyRowsMax || (at_context_tail(iks[i]) && rows <= kSplitRowsTail);
+        if (!keys_path || (iks[i].b_hi - iks[i].b_lo) * 16 < kSplitMinKeys) return false;
     }
     std::vector<std::vector<float>> bufs(static_cast<size_t>(work));
     std::vector<KeyUnit> units(static_cast<size_t>(work));
@@ -1663,8 +1665,7 @@ void run_items(const Args& a, int threads) {
                 using E = typename CacheElem<KT>::type;
                 const ItemKeys ik(a, item, 16);
                 const int rows = ik.ntok * (a.heads / a.kv_heads);
-                const bool tail = ik.ctx - ik.pos0 <= kKeyTailTokens && ik.pos0 >= kKeyTailContext;
-                if (rows <= kKeyRowsMax || (tail && rows <= kKeyRowsTail)) {
+                if (rows <= kKeyRowsMax || (at_context_tail(ik) && rows <= kKeyRowsTail)) {
                     attend_keys<DC, E>(a, ik, kvh, buf);
                     continue;
                 }
