@@ -379,3 +379,86 @@ def test_every_source_compiles_for_every_x86_tier_even_those_this_cpu_cannot_run
         if job.returncode:
             failed[key] = err[-2000:]
     assert not failed, failed
+
+
+# ARM64 (Graviton, Ampere, Apple silicon under Linux) runs the portable build, compiled for its own CPU. No ARM
+# machine is at hand, so an x86 one cross-compiles the kernels with Debian's g++-aarch64-linux-gnu and runs them
+# under qemu-user-static (.ci/run installs both): GCC 12's C++ has no _Float16 on ARM64, which once left ARM users
+# with no kernels at all, and only an ARM build shows whether its vectors (simd.h's GNU vectors, NEON there) give
+# the x86 tiers' bits.
+ARM64_CXX = "aarch64-linux-gnu-g++"
+QEMU_ARM64 = "qemu-aarch64-static"
+DIGEST_SRC = native_kernels.CSRC.parents[3] / "tests" / "engine" / "csrc" / "cross_arch_digest.cpp"
+KERNEL_SOURCES = [s for s in native_kernels.SOURCES if s.name != "decoder_stack.cpp"]
+
+
+def _arm64_cxx() -> str:
+    import shutil
+
+    if not native_kernels._X86:
+        pytest.skip("the ARM64 checks cross-compile from x86")
+    cxx = shutil.which(ARM64_CXX)
+    if cxx is None:
+        pytest.skip(f"no {ARM64_CXX} (apt-get install g++-aarch64-linux-gnu)")
+    return cxx
+
+
+def _compiling(cxx: str, flags: list[str], out, sources):
+    import subprocess
+
+    base = [f for f in native_kernels.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+    cmd = [cxx, *base, *flags, "-o", str(out), *map(str, sources)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_every_source_compiles_for_arm64():
+    """Each kernel source compiles for a generic ARMv8-A (what an ARM64 CPU without -march=native extras gets):
+    types and every template, as the x86 tiers' check above."""
+    cxx = _arm64_cxx()
+    import subprocess
+
+    base = [f for f in native_kernels.FLAGS if f not in ("-march=native", "-shared")]
+    failed = {}
+    for src in native_kernels.SOURCES:
+        job = subprocess.run(
+            [cxx, *base, "-fsyntax-only", str(src)], capture_output=True, text=True, timeout=300
+        )
+        if job.returncode:
+            failed[src.name] = job.stderr[-2000:]
+    assert not failed, failed
+
+
+def test_an_arm64_build_gives_the_bits_of_this_machines_tiers(tmp_path):
+    """tests/engine/csrc/cross_arch_digest.cpp runs every kernel entry point a step calls (each record kind of
+    the quantized linears with float32 and Q8 activations, the attention over float32 and float16 caches, the
+    elementwise steps) on fixed inputs and prints a digest of the outputs: built for ARM64 and run under qemu, it
+    must print what the portable build and this CPU's own build print here."""
+    import shutil
+    import subprocess
+
+    cxx = _arm64_cxx()
+    qemu = shutil.which(QEMU_ARM64)
+    if qemu is None:
+        pytest.skip(f"no {QEMU_ARM64} (apt-get install qemu-user-static)")
+    host = native_kernels._compiler()
+    if host is None:
+        pytest.skip("no C++ compiler")
+    sources = [DIGEST_SRC, *KERNEL_SOURCES]
+    builds = {  # side by side: each is a minute of -O3 on one core
+        "portable": _compiling(
+            host, list(native_kernels.TIERS["portable"][0]), tmp_path / "portable", sources
+        ),
+        "native": _compiling(host, ["-march=native"], tmp_path / "native", sources),
+        "arm64": _compiling(cxx, ["-static"], tmp_path / "arm64", sources),
+    }
+    for name, job in builds.items():
+        _, err = job.communicate(timeout=900)
+        assert job.returncode == 0, (name, err[-3000:])
+    digests = {
+        name: subprocess.run([str(tmp_path / name)], capture_output=True, text=True, timeout=120).stdout
+        for name in ("portable", "native")
+    }
+    run = subprocess.run([qemu, str(tmp_path / "arm64")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    digests["arm64 (qemu)"] = run.stdout
+    assert len(set(digests.values())) == 1 and run.stdout.strip(), (digests, isa_summary())

@@ -382,8 +382,8 @@ void rope_write_kv16(const void* qkv, int64_t qkv_stride, const void* cos, const
                      int threads) {
     const int64_t half = dim / 2, width = static_cast<int64_t>(kv_heads) * dim;
     const float* x = static_cast<const float*>(qkv);
-    _Float16* kc = static_cast<_Float16*>(k_cache);
-    _Float16* vc = static_cast<_Float16*>(v_cache);
+    uint16_t* kc = static_cast<uint16_t*>(k_cache);
+    uint16_t* vc = static_cast<uint16_t*>(v_cache);
 #pragma omp parallel num_threads(threads) if (tokens > 1)
     {
         std::vector<float> k(static_cast<size_t>(width));
@@ -395,8 +395,8 @@ void rope_write_kv16(const void* qkv, int64_t qkv_stride, const void* cos, const
             for (int j = 0; j < kv_heads; ++j)
                 rope_head<kDtypeF32>(qkv, row + (heads + j) * dim, cos, sin, t * half, k.data(), j * dim, half);
             const float* v = x + row + static_cast<int64_t>(heads + kv_heads) * dim;
-            for (int64_t i = 0; i < width; ++i) kc[slot * width + i] = static_cast<_Float16>(k[i]);
-            for (int64_t i = 0; i < width; ++i) vc[slot * width + i] = static_cast<_Float16>(v[i]);
+            for (int64_t i = 0; i < width; ++i) kc[slot * width + i] = brine::f32_to_f16(k[i]);
+            for (int64_t i = 0; i < width; ++i) vc[slot * width + i] = brine::f32_to_f16(v[i]);
         }
     }
 }

@@ -58,7 +58,7 @@ inline float load(const void* p, int64_t i) {
     } else if constexpr (DT == kDtypeBF16) {
         return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
     } else {
-        return static_cast<float>(static_cast<const _Float16*>(p)[i]);
+        return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
     }
 }
 
@@ -69,7 +69,7 @@ inline void store(void* p, int64_t i, float x) {
     } else if constexpr (DT == kDtypeBF16) {
         static_cast<uint16_t*>(p)[i] = f32_to_bf16(x);
     } else {
-        static_cast<_Float16*>(p)[i] = static_cast<_Float16>(x);
+        static_cast<uint16_t*>(p)[i] = f32_to_f16(x);
     }
 }
 
@@ -210,7 +210,7 @@ inline float widen(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
-    return simd::half_to_float(h);
+    return f16_to_f32(h);
 #endif
 }
 inline simd::VF vload_kv(const float* p) { return simd::vload(p); }

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtypes.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define BRINE_SIMD_AVX512 1
 #include <immintrin.h>
@@ -42,31 +44,6 @@ constexpr const char* kTier = "avx2";
 #else
 constexpr const char* kTier = "portable";
 #endif
-
-// IEEE half -> float, exact (subnormals, infinities and NaN too): the portable tier's cvtph.
-inline float half_to_float(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t u;
-    if (exp == 0x1fu) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        u = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        u = sign;
-    } else {  // subnormal: value man * 2^-24, normalised
-        int e = -1;
-        uint32_t m = man;
-        do {
-            ++e;
-            m <<= 1;
-        } while ((m & 0x400u) == 0);
-        u = sign | ((112u - static_cast<uint32_t>(e)) << 23) | ((m & 0x3ffu) << 13);
-    }
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
 
 #if defined(BRINE_SIMD_AVX512)
 struct VF {
@@ -158,7 +135,7 @@ inline VF vadd(VF a, VF b) {
 }
 inline VF vload_f16(const uint16_t* p) {
     VF r;
-    for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]);
+    for (int i = 0; i < 16; ++i) r.v[i] = f16_to_f32(p[i]);
     return r;
 }
 inline void vstore(float* p, VF x) { std::memcpy(p, x.v, sizeof x.v); }
