@@ -365,20 +365,22 @@ constexpr bool kQ8Direct = true;
 template <int R>
 inline void block_p(const uint8_t* w, Kind kind, const Q8Rows& x, int64_t r0, int64_t b, VF (*p)[2]) {
     const bool halves = kind.halves();
-    const auto sum = [&](const auto* q, const int8_t* xr, int i0, int i1, float* out) {
+    const auto sum = [&](const auto* q, const int8_t* xr, int i0, int i1) {
         int32_t sums[kTile] = {};
         for (int i = i0; i < i1; ++i)
             for (int c = 0; c < kTile; ++c) sums[c] += static_cast<int32_t>(q[i * kTile + c]) * xr[i];
+        alignas(64) float out[kTile];
         for (int c = 0; c < kTile; ++c) out[c] = static_cast<float>(sums[c]);
+        return vload(out);
     };
     for (int r = 0; r < R; ++r) {
         const int8_t* xr = x.q + x.at(r0, R, r0 + r, b) * kBlock;
         p[r][1] = vzero();
-        if (!kind.int8()) sum(w, xr, 0, kBlock, p[r][0].v);
-        else if (!halves) sum(reinterpret_cast<const int8_t*>(w), xr, 0, kBlock, p[r][0].v);
+        if (!kind.int8()) p[r][0] = sum(w, xr, 0, kBlock);
+        else if (!halves) p[r][0] = sum(reinterpret_cast<const int8_t*>(w), xr, 0, kBlock);
         else {
-            sum(reinterpret_cast<const int8_t*>(w), xr, 0, kBlock / 2, p[r][0].v);
-            sum(reinterpret_cast<const int8_t*>(w), xr, kBlock / 2, kBlock, p[r][1].v);
+            p[r][0] = sum(reinterpret_cast<const int8_t*>(w), xr, 0, kBlock / 2);
+            p[r][1] = sum(reinterpret_cast<const int8_t*>(w), xr, kBlock / 2, kBlock);
         }
     }
 }

@@ -2,7 +2,8 @@
 // once against `VF` and its functions, and the compiler's target picks the implementation:
 //   - AVX512F + BW:           one __m512 (also the AVX512-BF16 tier, whose bfloat16 dot products are extra);
 //   - AVX2 + FMA + F16C:      two __m256 (lanes 0-7, then 8-15);
-//   - anything else:          float[16] and loops (ARM64, old x86, any compiler target): the portable tier.
+//   - anything else:          four 16-byte GNU vectors (ARM64's NEON, old x86's SSE, or plain code where a
+//                             target has no vectors): the portable tier, with no intrinsics.
 // Every function is lane-wise IEEE arithmetic (fma is fused, rounded once; add, sub, mul, div rounded once; vmax is
 // a > b ? a : b; vkeep picks x where lo <= pos < hi, else other), so a lane's
 // bits are the same on every tier: the kernels' results differ between tiers only where a tier has an
@@ -116,67 +117,87 @@ inline __m256 pow2i8(__m256 n) {
 }
 inline VF vpow2i(VF n) { return {pow2i8(n.a), pow2i8(n.b)}; }
 #else
+// Four 4-lane GNU vectors (vector_size(16): what NEON and SSE hold in one register), so that the compiler emits
+// their vector instructions lane for lane on any target; the same IEEE operations as plain loops would do.
+typedef float F4 __attribute__((vector_size(16)));
+typedef int32_t I4 __attribute__((vector_size(16)));
 struct alignas(64) VF {
-    float v[16];
+    F4 q[4];
 };
+// fma of 4 lanes, each rounded once: the compiler turns the four into one vector fma (fmla on ARM64, vfmadd with FMA)
+inline F4 fma4(F4 a, F4 b, F4 c) {
+    return F4{__builtin_fmaf(a[0], b[0], c[0]), __builtin_fmaf(a[1], b[1], c[1]), __builtin_fmaf(a[2], b[2], c[2]),
+              __builtin_fmaf(a[3], b[3], c[3])};
+}
 inline VF vzero() { return VF{}; }
 inline VF vset1(float x) {
-    VF r;
-    for (int i = 0; i < 16; ++i) r.v[i] = x;
-    return r;
+    const F4 b = {x, x, x, x};
+    return VF{{b, b, b, b}};
 }
 inline VF vfmadd(VF a, VF b, VF c) {
-    for (int i = 0; i < 16; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    for (int i = 0; i < 4; ++i) c.q[i] = fma4(a.q[i], b.q[i], c.q[i]);
     return c;
 }
 inline VF vadd(VF a, VF b) {
-    for (int i = 0; i < 16; ++i) a.v[i] += b.v[i];
+    for (int i = 0; i < 4; ++i) a.q[i] += b.q[i];
     return a;
 }
-inline VF vload_f16(const uint16_t* p) {
-    VF r;
-    for (int i = 0; i < 16; ++i) r.v[i] = f16_to_f32(p[i]);
+// dtypes.h's f16_to_f32 for 4 lanes, with selects instead of branches: the same exact values (a subnormal half is
+// m x 2^-24, and float(m) x 2^-24 is exact), the same quiet NaNs.
+inline F4 half4(const uint16_t* p) {
+    typedef uint16_t U16x4 __attribute__((vector_size(8)));
+    U16x4 h;
+    std::memcpy(&h, p, sizeof h);
+    const I4 x = __builtin_convertvector(h, I4);
+    const I4 sign = (x & 0x8000) << 16, e = (x >> 10) & 0x1f, m = x & 0x3ff;
+    const F4 sub = __builtin_convertvector(m, F4) * (1.0f / 16777216.0f);
+    I4 subnormal;
+    std::memcpy(&subnormal, &sub, sizeof sub);
+    const I4 bits = e == 0 ? (sign | subnormal) : e == 31 ? (sign | 0x7f800000 | (m << 13) | (m != 0 ? 0x400000 : 0)) : (sign | ((e + 112) << 23) | (m << 13));
+    F4 r;
+    std::memcpy(&r, &bits, sizeof r);
     return r;
 }
-inline void vstore(float* p, VF x) { std::memcpy(p, x.v, sizeof x.v); }
+inline VF vload_f16(const uint16_t* p) { return VF{{half4(p), half4(p + 4), half4(p + 8), half4(p + 12)}}; }
+inline void vstore(float* p, VF x) { std::memcpy(p, x.q, sizeof x.q); }
 inline VF vload_part(const float* p, int count) {
     VF r{};
-    std::memcpy(r.v, p, sizeof(float) * static_cast<size_t>(count < 16 ? count : 16));
+    std::memcpy(r.q, p, sizeof(float) * static_cast<size_t>(count < 16 ? count : 16));
     return r;
 }
 inline void vstore_part(float* p, VF x, int count) {
-    std::memcpy(p, x.v, sizeof(float) * static_cast<size_t>(count < 16 ? count : 16));
+    std::memcpy(p, x.q, sizeof(float) * static_cast<size_t>(count < 16 ? count : 16));
 }
 inline VF vload(const float* p) {
     VF r;
-    std::memcpy(r.v, p, sizeof r.v);
+    std::memcpy(r.q, p, sizeof r.q);
     return r;
 }
 inline VF vmul(VF a, VF b) {
-    for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+    for (int i = 0; i < 4; ++i) a.q[i] *= b.q[i];
     return a;
 }
 inline VF vdiv(VF a, VF b) {
-    for (int i = 0; i < 16; ++i) a.v[i] /= b.v[i];
+    for (int i = 0; i < 4; ++i) a.q[i] /= b.q[i];
     return a;
 }
 inline VF vsub(VF a, VF b) {
-    for (int i = 0; i < 16; ++i) a.v[i] -= b.v[i];
+    for (int i = 0; i < 4; ++i) a.q[i] -= b.q[i];
     return a;
 }
 inline VF vmax(VF a, VF b) {
-    for (int i = 0; i < 16; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    for (int i = 0; i < 4; ++i) a.q[i] = a.q[i] > b.q[i] ? a.q[i] : b.q[i];
     return a;
 }
 inline VF vkeep(VF pos, VF lo, VF hi, VF x, VF other) {
-    for (int i = 0; i < 16; ++i) x.v[i] = (lo.v[i] <= pos.v[i] && pos.v[i] < hi.v[i]) ? x.v[i] : other.v[i];
+    for (int i = 0; i < 4; ++i) x.q[i] = ((lo.q[i] <= pos.q[i]) & (pos.q[i] < hi.q[i])) ? x.q[i] : other.q[i];
     return x;
 }
 inline VF vpow2i(VF n) {
     VF r;
-    for (int i = 0; i < 16; ++i) {
-        const int32_t e = (static_cast<int32_t>(n.v[i]) + 127) << 23;
-        std::memcpy(&r.v[i], &e, 4);
+    for (int i = 0; i < 4; ++i) {
+        const I4 e = (__builtin_convertvector(n.q[i], I4) + 127) << 23;
+        std::memcpy(&r.q[i], &e, sizeof e);
     }
     return r;
 }
