@@ -407,7 +407,7 @@ def _compiling(cxx: str, flags: list[str], out, sources):
     import subprocess
 
     base = [f for f in native_kernels.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
-    cmd = [cxx, *base, *flags, "-o", str(out), *map(str, sources)]
+    cmd = [cxx, *base, *flags, "-I", str(native_kernels.CSRC), "-o", str(out), *map(str, sources)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -51,6 +51,7 @@ SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 HEADERS = (
     CSRC / "amx.h",
     CSRC / "dtypes.h",
+    CSRC / "entry_points.h",
     CSRC / "simd.h",
     CSRC / "quant_q8.h",
 )  # included by the sources (found through -I CSRC): part of the cache key

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "entry_points.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define BRINE_ELEMENTWISE_AVX512 1

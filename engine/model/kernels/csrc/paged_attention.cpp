@@ -38,6 +38,7 @@
 
 #include "amx.h"
 #include "dtypes.h"
+#include "entry_points.h"
 #include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

@@ -44,6 +44,7 @@
 
 #include "amx.h"
 #include "dtypes.h"
+#include "entry_points.h"
 #include "simd.h"
 
 namespace {
