@@ -13,6 +13,8 @@ portable paths, and every failure names the tier and the CPU.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -388,7 +390,7 @@ def test_every_source_compiles_for_every_x86_tier_even_those_this_cpu_cannot_run
 # the x86 tiers' bits.
 ARM64_CXX = "aarch64-linux-gnu-g++"
 QEMU_ARM64 = "qemu-aarch64-static"
-DIGEST_SRC = native_kernels.CSRC.parents[3] / "tests" / "engine" / "csrc" / "cross_arch_digest.cpp"
+DIGEST_SRC = Path(__file__).with_name("csrc") / "cross_arch_digest.cpp"
 KERNEL_SOURCES = [s for s in native_kernels.SOURCES if s.name != "decoder_stack.cpp"]
 
 

@@ -153,7 +153,8 @@ inline F4 half4(const uint16_t* p) {
     const F4 sub = __builtin_convertvector(m, F4) * (1.0f / 16777216.0f);
     I4 subnormal;
     std::memcpy(&subnormal, &sub, sizeof sub);
-    const I4 bits = e == 0 ? (sign | subnormal) : e == 31 ? (sign | 0x7f800000 | (m << 13) | (m != 0 ? 0x400000 : 0)) : (sign | ((e + 112) << 23) | (m << 13));
+    const I4 special = sign | 0x7f800000 | (m << 13) | (m != 0 ? 0x400000 : 0);  // inf, or a quiet NaN
+    const I4 bits = e == 0 ? (sign | subnormal) : e == 31 ? special : (sign | ((e + 112) << 23) | (m << 13));
     F4 r;
     std::memcpy(&r, &bits, sizeof r);
     return r;
