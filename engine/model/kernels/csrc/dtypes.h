@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -31,10 +31,15 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to
     return static_cast<uint16_t>(u >> 16);
 }
 
-// IEEE half <-> float, in integer and float32 arithmetic only (C++ has no portable half type: GCC 12 has no
-// _Float16 in C++ on ARM64, and __fp16 is ARM's alone), with F16C's results: f32_to_f16 rounds to nearest even (as
-// vcvtps2ph and torch's .to(torch.float16) do), a NaN stays a quiet NaN with the top of its payload both ways.
+// IEEE half <-> float: F16C's instructions where the build has them, else integer and float32 arithmetic with
+// their results (C++ has no portable half type: GCC 12 has no _Float16 in C++ on ARM64, and __fp16 is ARM's
+// alone). f32_to_f16 rounds to nearest even (as vcvtps2ph and torch's .to(torch.float16) do); a NaN stays a quiet
+// NaN with the top of its payload both ways. The fallbacks equal the instructions on all 2^32 floats and 2^16
+// halves (checked exhaustively when they were written), so every tier stores and reads the same bits.
 inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
     uint32_t u;
     if (exp == 0x1fu) {  // inf, or a NaN made quiet (as vcvtph2ps does)
@@ -49,9 +54,13 @@ inline float f16_to_f32(uint16_t h) {
     float f;
     std::memcpy(&f, &u, 4);
     return f;
+#endif
 }
 
 inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
     uint32_t u;
     std::memcpy(&u, &f, 4);
     const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
@@ -72,6 +81,7 @@ inline uint16_t f32_to_f16(float f) {
     // is right, up to inf at 65520 and above)
     u += 0xc8000fffu + ((u >> 13) & 1u);
     return sign | static_cast<uint16_t>(u >> 13);
+#endif
 }
 
 // Cephes' expf polynomial: for |r| <= ln 2 / 2, exp(r) ~ 1 + r + r^2 p(r); p's coefficients, highest first.

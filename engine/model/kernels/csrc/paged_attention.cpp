@@ -207,13 +207,7 @@ struct CacheElem<kDtypeF16> {
     using type = uint16_t;
 };
 inline float widen(float x) { return x; }
-inline float widen(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return f16_to_f32(h);
-#endif
-}
+inline float widen(uint16_t h) { return f16_to_f32(h); }
 inline simd::VF vload_kv(const float* p) { return simd::vload(p); }
 inline simd::VF vload_kv(const uint16_t* p) { return simd::vload_f16(p); }
 
