@@ -187,6 +187,21 @@ inline void unpack_f32(const uint8_t* qs, VF* w) {
 #elif defined(BRINE_SIMD_AVX2)
 // As the AVX512 unpacking, on 256-bit halves: bytes 0-31 of a chunk are columns 0-7 (its first two 128-bit
 // lanes), bytes 32-63 columns 8-15; vpshufb and the byte unpacks act per 128-bit lane on both widths.
+// q4_chunk: chunk j's pairs 4j .. 4j + 3 as bfloat16 pairs, pv[pair][columns 0-7, 8-15].
+inline void q4_chunk(const uint8_t* qs, int j, __m256i (*pv)[2]) {
+    const __m256i table_lo = _mm256_broadcastsi128_si256(bf16_table_lo());
+    const __m256i table_hi = _mm256_broadcastsi128_si256(bf16_table_hi());
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32))};
+    for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < 2; ++s) {
+            const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(v[s], 4) : v[s], low4);
+            const __m256i lo = _mm256_shuffle_epi8(table_lo, nib), hi = _mm256_shuffle_epi8(table_hi, nib);
+            pv[2 * h][s] = _mm256_unpacklo_epi8(lo, hi);
+            pv[2 * h + 1][s] = _mm256_unpackhi_epi8(lo, hi);
+        }
+}
 template <int WT>
 inline void unpack_f32(const uint8_t* qs, VF* w) {
     if constexpr (WT == kQ4) {
@@ -496,6 +511,71 @@ __attribute__((always_inline)) inline void dot_bf16(const Args& a, int64_t at, C
 }
 #endif
 
+// The float32 path of blocks_dot, as dot_bf16 is the vdpbf16ps one: the inputs come 8 at a time (one 64-byte
+// chunk of 4-bit q: pairs 4c .. 4c + 3), chunk(c) readying the NB blocks' inputs 8c .. 8c + 7 and weight(i, c, j)
+// giving block i's input 8c + j. Each (block, row) is one chain over its 32 inputs in order, as in the header.
+template <int R, int NB, bool kChunks, typename Chunk, typename Weight, typename Scales>
+__attribute__((always_inline)) inline void dot_f32(const Args& a, int64_t at, Chunk&& chunk, Weight&& weight, Scales&& scales,
+                                                   VF* total) {
+    const bool halves = a.kind.halves(), min = a.kind.min();
+    const float* xb = static_cast<const float*>(a.x) + at * kBlock;
+    VF part[2][NB][R];
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < NB; ++i)
+            for (int r = 0; r < R; ++r) part[h][i][r] = vzero();
+    // Inlined, with its row and block loops unrolled, for the portable build: its GCC kept the lambda a call
+    // of its own (x86-64-v2: quant_linear_bench --dtype float32, 16 and 512 rows 1.4x faster inlined), and,
+    // inlined, walked the rows in a loop with their partial sums in memory (ARM64's -O3 assembly; unrolled, a
+    // group's 4 rows x 4 vectors of partial sums stay in registers, fmla by element). The AVX2 and AVX512
+    // builds' code was already that, and measures the same.
+    constexpr int kStep = input_step(R);
+    const auto step = [&](int h, int c, int j) __attribute__((always_inline)) {  // inputs 8c + j .. 8c + j + kStep - 1
+#pragma GCC unroll 8
+        for (int i = 0; i < NB; ++i) {
+            VF wj[kStep];
+            for (int s = 0; s < kStep; ++s) wj[s] = weight(i, c, j + s);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+                for (int s = 0; s < kStep; ++s)
+                    part[h][i][r] = vfmadd(wj[s], vset1(xb[(i * R + r) * kBlock + 8 * c + j + s]), part[h][i][r]);
+        }
+    };
+    // (Without chunks, one loop over the inputs, weight(i, 0, j) for input j: the panels' code as it was, which
+    // measured 2-4% faster at 2,048 rows on the portable and AVX2 builds than walking them chunk by chunk.)
+    const auto inputs = [&](int h, int c0, int c1) __attribute__((always_inline)) {
+        if constexpr (kChunks) {
+            for (int c = c0; c < c1; ++c) {
+                chunk(c);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j += kStep) step(h, c, j);
+            }
+        } else {
+            for (int j = 8 * c0; j < 8 * c1; j += kStep) step(h, 0, j);
+        }
+    };
+    if (halves) {
+        inputs(0, 0, 2);
+        inputs(1, 2, 4);
+        for (int i = 0; i < NB; ++i) {
+            const VF* dm = scales(i);
+            for (int r = 0; r < R; ++r) {
+                total[r] = vfmadd(dm[0], part[0][i][r], total[r]);
+                total[r] = vfmadd(dm[1], part[1][i][r], total[r]);
+            }
+        }
+        return;
+    }
+    inputs(0, 0, 4);
+    for (int i = 0; i < NB; ++i) {
+        const VF* dm = scales(i);
+        for (int r = 0; r < R; ++r) {
+            total[r] = vfmadd(dm[0], part[0][i][r], total[r]);
+            if (min) total[r] = vfmadd(dm[1], vset1(a.sums[at + i * R + r]), total[r]);
+        }
+    }
+}
+
 // blocks (w: NB x block_vectors(XT) vectors, block after block): total += d P (+ m S) block by block in order,
 // exactly as NB calls for one block each would add them. Each block's P (each half's, for two scales) is its own
 // chain from 0, so the NB blocks' chains run side by side: one block's P is a chain of 16 vdpbf16ps (32 fmas in
@@ -510,7 +590,6 @@ template <int XT, int R, int NB>
 __attribute__((always_inline)) inline void blocks_dot(const Args& a, const VF* w, int64_t b0, int64_t r0, VF* total) {
     constexpr int BV = block_vectors(XT);
     const int64_t at = r0 * (a.k / kBlock) + b0 * R;  // the group's first row of block b0, in rows of one block
-    const bool halves = a.kind.halves(), min = a.kind.min();
     if constexpr (XT == kDtypeBF16) {
 #if defined(BRINE_SIMD_DPBF16)
 #if defined(BRINE_SIMD_AMX)
@@ -524,50 +603,9 @@ __attribute__((always_inline)) inline void blocks_dot(const Args& a, const VF* w
             [&](int i) { return w + i * BV + q_vectors(XT); }, total);
 #endif
     } else {
-        const float* xb = static_cast<const float*>(a.x) + at * kBlock;
-        VF part[2][NB][R];
-        for (int h = 0; h < 2; ++h)
-            for (int i = 0; i < NB; ++i)
-                for (int r = 0; r < R; ++r) part[h][i][r] = vzero();
-        // Inlined, with its row and block loops unrolled, for the portable build: its GCC kept the lambda a call
-        // of its own (x86-64-v2: quant_linear_bench --dtype float32, 16 and 512 rows 1.4x faster inlined), and,
-        // inlined, walked the rows in a loop with their partial sums in memory (ARM64's -O3 assembly; unrolled, a
-        // group's 4 rows x 4 vectors of partial sums stay in registers, fmla by element). The AVX2 and AVX512
-        // builds' code was already that, and measures the same.
-        const auto inputs = [&](int h, int i0, int i1) __attribute__((always_inline)) {
-            constexpr int kStep = input_step(R);
-            for (int j = i0; j < i1; j += kStep)
-#pragma GCC unroll 8
-                for (int i = 0; i < NB; ++i) {
-                    VF wj[kStep];
-                    for (int s = 0; s < kStep; ++s) wj[s] = w[i * BV + j + s];
-#pragma GCC unroll 16
-                    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-                        for (int s = 0; s < kStep; ++s)
-                            part[h][i][r] = vfmadd(wj[s], vset1(xb[(i * R + r) * kBlock + j + s]), part[h][i][r]);
-                }
-        };
-        if (halves) {
-            inputs(0, 0, kBlock / 2);
-            inputs(1, kBlock / 2, kBlock);
-            for (int i = 0; i < NB; ++i) {
-                const VF* dm = w + i * BV + q_vectors(XT);
-                for (int r = 0; r < R; ++r) {
-                    total[r] = vfmadd(dm[0], part[0][i][r], total[r]);
-                    total[r] = vfmadd(dm[1], part[1][i][r], total[r]);
-                }
-            }
-            return;
-        }
-        inputs(0, 0, kBlock);
-        for (int i = 0; i < NB; ++i) {
-            const VF* dm = w + i * BV + q_vectors(XT);
-            for (int r = 0; r < R; ++r) {
-                total[r] = vfmadd(dm[0], part[0][i][r], total[r]);
-                if (min) total[r] = vfmadd(dm[1], vset1(a.sums[at + i * R + r]), total[r]);
-            }
-        }
+        dot_f32<R, NB, false>(
+            a, at, [](int) {}, [&](int i, int c, int j) { return w[i * BV + 8 * c + j]; },
+            [&](int i) { return w + i * BV + q_vectors(XT); }, total);
     }
 }
 
@@ -669,6 +707,71 @@ inline void direct_blocks(const Args& a, const uint8_t* rec, int64_t b, int64_t 
             if constexpr (NB > 1) direct_blocks<WT, XT, R, NB / 2>(a, rec, b, end, r0, total);
             return;
         }
+    }
+#endif
+#if defined(BRINE_SIMD_AVX512)
+    // The float32 path, 4-bit q, likewise: each chunk's 4 pair vectors stay in registers and each input's float32
+    // weights are widened from them as its fmas take them (32 vectors a record stored and loaded back before).
+    // The same fmas in the same order. quant_linear_bench.py --dtype float32 (two threads, the native build and
+    // the Ice Lake build, BRINE_CPU_TIER=avx512-vnni, alike): 1 row 1.55-1.60x, 2 rows 1.8x, 3 rows 1.8-1.9x, 4
+    // rows 1.35-1.45x, 6 rows 1.25x, 8 to 48 rows 1.1-1.2x; the panels (more rows) unchanged. Past 48 rows this
+    // path measured no faster than the panels (float32) or slower (bfloat16: 0.83x), so kDirectRows stays.
+    if constexpr (XT == kDtypeF32 && WT == kQ4) {
+        for (; b + NB <= end; b += NB, rec += NB * bytes) {
+            VF dm[NB][2];
+            for (int i = 0; i < NB; ++i) {
+                prefetch_record(rec + i * bytes, a.kind);
+                load_scales(rec + i * bytes, a.kind, dm[i]);
+            }
+            const uint8_t* qs = rec + a.kind.scales_bytes();
+            __m512i pv[NB][4];  // the NB blocks' pairs of one chunk, widened to float32 as each input is taken
+            dot_f32<R, NB, true>(
+                a, r0 * (a.k / kBlock) + b * R,
+                [&](int c) {
+                    for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
+                },
+                [&](int i, int, int j) {
+                    const __m512i v = pv[i][j / 2];
+                    return VF{_mm512_castsi512_ps(j % 2 ? _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))
+                                                        : _mm512_slli_epi32(v, 16))};
+                },
+                [&](int i) { return dm[i]; }, total);
+        }
+        if constexpr (NB > 1) direct_blocks<WT, XT, R, NB / 2>(a, rec, b, end, r0, total);
+        return;
+    }
+#endif
+#if defined(BRINE_SIMD_AVX2)
+    // AVX2 likewise, on the pairs of both column halves: its 16 registers do not hold a chunk of 4 blocks beside
+    // a row's sums, so some pair vectors go to the stack, but 8 a chunk rather than 16 float32 ones. quant_linear_bench.py
+    // --dtype float32 under BRINE_CPU_TIER=avx2 (two threads): 1 row 1.29x, 2 rows 1.36x, 3 rows 1.19x, 4 rows
+    // 1.11x, 5 to 48 rows 1.04-1.12x.
+    if constexpr (XT == kDtypeF32 && WT == kQ4) {
+        for (; b + NB <= end; b += NB, rec += NB * bytes) {
+            VF dm[NB][2];
+            for (int i = 0; i < NB; ++i) {
+                prefetch_record(rec + i * bytes, a.kind);
+                load_scales(rec + i * bytes, a.kind, dm[i]);
+            }
+            const uint8_t* qs = rec + a.kind.scales_bytes();
+            __m256i pv[NB][4][2];
+            dot_f32<R, NB, true>(
+                a, r0 * (a.k / kBlock) + b * R,
+                [&](int c) {
+                    for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
+                },
+                [&](int i, int, int j) {
+                    const __m256i* v = pv[i][j / 2];
+                    if (j % 2) {
+                        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+                        return VF{_mm256_castsi256_ps(_mm256_and_si256(v[0], high)), _mm256_castsi256_ps(_mm256_and_si256(v[1], high))};
+                    }
+                    return VF{_mm256_castsi256_ps(_mm256_slli_epi32(v[0], 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v[1], 16))};
+                },
+                [&](int i) { return dm[i]; }, total);
+        }
+        if constexpr (NB > 1) direct_blocks<WT, XT, R, NB / 2>(a, rec, b, end, r0, total);
+        return;
     }
 #endif
     for (; b + NB <= end; b += NB, rec += NB * bytes) {
