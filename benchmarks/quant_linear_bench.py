@@ -1,12 +1,14 @@
 """The quantized linears alone, this tree's kernels against another checkout's, in one process.
 
-`QuantLinear` on the default model's Q4_1 shapes (1536 x 576, 576 x 1536, 960 x 576: gate/up, down, q/k/v), x
-of each `--rows` count in `--dtype`, the two builds alternated round by round, the best round of each summed over
-the three shapes; the last column says whether both gave the same bits (a change of arithmetic, such as another
+`QuantLinear` on the default model's shapes (1536 x 576, 576 x 1536, 960 x 576: gate/up, down, q/k/v; or each
+`--shape`, such as its head's, 49152x576, which streams from memory) in Q4_1 (or `--type`: Q8_0 is the default
+model's head, and has the int8 records of Q5_0 and Q6_K), x of each `--rows` count in `--dtype`, the two builds
+alternated round by round, the best round of each summed over the shapes; the last column says whether both gave the same bits (a change of arithmetic, such as another
 tier's dot products, shows there). Both builds are for this CPU's own tier, or the one BRINE_CPU_TIER names.
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python benchmarks/quant_linear_bench.py --baseline /tmp/before --dtype bfloat16 --threads 2
+    .venv/bin/python benchmarks/quant_linear_bench.py --baseline /tmp/before --type q8_0 --shape 49152x576
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.quant_q8_bench import SHAPES, best_per_call, q4_1_weights  # noqa: E402
+from benchmarks.quant_q8_bench import SHAPES, best_per_call, gguf_weights  # noqa: E402
 from engine.model.kernels.build import baseline_csrc, build_baseline, load  # noqa: E402
-from engine.model.layers.quant_linear import GGML_Q4_1, QuantLinear  # noqa: E402
+from engine.model.layers.quant_linear import (  # noqa: E402
+    GGML_Q4_0,
+    GGML_Q4_1,
+    GGML_Q5_0,
+    GGML_Q5_1,
+    GGML_Q8_0,
+    QuantLinear,
+)
+
+TYPES = {"q4_0": GGML_Q4_0, "q4_1": GGML_Q4_1, "q5_0": GGML_Q5_0, "q5_1": GGML_Q5_1, "q8_0": GGML_Q8_0}
 
 
 def main() -> None:
@@ -32,6 +43,10 @@ def main() -> None:
     )
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--rows", default="2048,128,16,4,1", help="comma-separated row counts")
+    ap.add_argument("--type", choices=sorted(TYPES), default="q4_1", help="the GGUF type of the weights")
+    ap.add_argument(
+        "--shape", action="append", help="OUTxIN instead of the default model's three (49152x576: its head)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="alternated rounds per build (the best counts)")
     args = ap.parse_args()
@@ -40,20 +55,23 @@ def main() -> None:
     kernels, why = load()
     if kernels is None:
         raise SystemExit(f"this tree's kernels are not available: {why}")
-    raws = q4_1_weights()
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shape] if args.shape else SHAPES
+    raws = gguf_weights(TYPES[args.type], shapes)
     with tempfile.TemporaryDirectory() as tmp:
         before = build_baseline(baseline_csrc(args.baseline), Path(tmp) / "baseline.so")
         builds = {"baseline": before, "this tree": kernels}
         print(
-            f"{args.dtype}, {args.threads} threads; tiers: baseline {before.tier}, this tree {kernels.tier}"
+            f"{args.type}, {args.dtype}, {args.threads} threads; tiers: baseline {before.tier}, this tree {kernels.tier}"
         )
         print("| rows | baseline | this tree | baseline / this tree | same bits |")
         print("|---|---|---|---|---|")
         for rows in (int(r) for r in args.rows.split(",")):
             total = dict.fromkeys(builds, 0.0)
             same = True
-            for out_f, in_f in SHAPES:
-                layers = {k: QuantLinear(b, GGML_Q4_1, raws[out_f, in_f], in_f) for k, b in builds.items()}
+            for out_f, in_f in shapes:
+                layers = {
+                    k: QuantLinear(b, TYPES[args.type], raws[out_f, in_f], in_f) for k, b in builds.items()
+                }
                 x = torch.randn(rows, in_f).to(dtype)
                 outs = [layer(x) for layer in layers.values()]
                 same = same and torch.equal(outs[0], outs[1])

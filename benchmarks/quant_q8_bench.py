@@ -30,16 +30,19 @@ SHAPES = [(1536, 576), (576, 1536), (960, 576)]  # (out, in)
 K = TypeVar("K", bound=Hashable)
 
 
-def q4_1_weights() -> dict[tuple[int, int], np.ndarray]:
-    """Each of SHAPES as Q4_1 blocks, as a GGUF stores them: seeded random weights of scale 1 / sqrt(in)."""
+def gguf_weights(
+    ggml_type: int | None = None, shapes: list[tuple[int, ...]] | None = None
+) -> dict[tuple[int, ...], np.ndarray]:
+    """Each of SHAPES (or `shapes`) as Q4_1 blocks (or `ggml_type`'s), as a GGUF stores them: seeded random
+    weights of scale 1 / sqrt(in)."""
     from gguf import quants
 
     from engine.model.layers.quant_linear import GGML_Q4_1
 
     rng = np.random.default_rng(0)
     return {
-        s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, GGML_Q4_1)
-        for s in SHAPES
+        s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, ggml_type or GGML_Q4_1)
+        for s in shapes or SHAPES
     }
 
 
@@ -62,7 +65,7 @@ def linears(builds: list[str]) -> None:
     from engine.model.kernels import build as native_kernels
     from engine.model.layers.quant_linear import GGML_Q4_1, QuantLinear
 
-    raws = q4_1_weights()
+    raws = gguf_weights()
     print(f"| build | rows | float | q8 | speed-up |  ({torch.get_num_threads()} thread(s))")
     print("|---|---|---|---|---|")
     for name in builds:

@@ -184,6 +184,11 @@ inline void unpack_f32(const uint8_t* qs, VF* w) {
         }
     }
 }
+// int8 q: input i's 16 weights as float32 (exact), straight from the record's q.
+inline VF int8_input(const uint8_t* qs, int i) {
+    const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (i / 2) * 2 * kTile)));
+    return {_mm512_cvtepi32_ps(i % 2 ? _mm512_srai_epi32(q, 16) : _mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16))};
+}
 #elif defined(BRINE_SIMD_AVX2)
 // As the AVX512 unpacking, on 256-bit halves: bytes 0-31 of a chunk are columns 0-7 (its first two 128-bit
 // lanes), bytes 32-63 columns 8-15; vpshufb and the byte unpacks act per 128-bit lane on both widths.
@@ -238,6 +243,14 @@ inline void unpack_f32(const uint8_t* qs, VF* w) {
         }
     }
 }
+inline VF int8_input(const uint8_t* qs, int i) {
+    const uint8_t* at = qs + (i / 2) * 2 * kTile;
+    const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16)));
+    if (i % 2) return {_mm256_cvtepi32_ps(_mm256_srai_epi32(a, 16)), _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 16))};
+    return {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16)),
+            _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 16))};
+}
 #else
 // The layout read with GNU vectors of 16 bytes (simd.h's portable VF: NEON's or SSE's registers, whatever the
 // target). 4-bit: input 2p + e of column 4 L + c is nibble (p % 4) / 2 of byte 64 (p / 4) + 8 (p % 2) + 16 L +
@@ -289,22 +302,23 @@ inline void unpack_f32(const uint8_t* qs, VF* w) {
 #if defined(BRINE_SIMD_DPBF16)
 // The record's q as bfloat16 pairs for vdpbf16ps: pv[p] dword c = (q[c][2p], q[c][2p+1]). unpack_bf16_chunk: pairs
 // 4c .. 4c + 3 alone, into pv[0 .. 3] (one 64-byte chunk of 4-bit q).
+// int8_pair: pair p of int8 q.
+inline __m512i int8_pair(const uint8_t* qs, int p) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
+    // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
+    // (vcvtne2ps2bf16 on the two halves measured 10% slower for the one-row head, two threads)
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+    const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
+    const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
+    return _mm512_or_si512(lo_b, hi_b);
+}
 template <int WT>
 inline void unpack_bf16_chunk(const uint8_t* qs, int c, __m512i* pv) {
     if constexpr (WT == kQ4) {
         q4_chunk(qs, c, pv);
     } else {
-        for (int i = 0; i < 4; ++i) {
-            const int p = 4 * c + i;
-            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
-            // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
-            // (vcvtne2ps2bf16 on the two halves measured 10% slower for the one-row head, two threads)
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
-            const __m512i lo_b = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
-            const __m512i hi_b = _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(hi));
-            pv[i] = _mm512_or_si512(lo_b, hi_b);
-        }
+        for (int i = 0; i < 4; ++i) pv[i] = int8_pair(qs, 4 * c + i);
     }
 }
 template <int WT>
@@ -674,107 +688,104 @@ constexpr int blocks_at_once(int rows) {
 #endif
 }
 
+// NB records' blocks (rec: the first's; b: its block) of one row group against one tile, unpacked as their dot
+// products take them: a 64-byte chunk of 4-bit q (4 pairs) at a time, an int8 pair at a time. Unpacking whole
+// records first (direct_blocks' other path) stored NB x 16 bfloat16 pair vectors, or NB x 32 float32 ones, to the
+// stack and loaded them back; on a Zen 4 EPYC that traffic, not the arithmetic, bounded the calls of a few rows
+// (a decode, a few streams, a verify chunk): a 1-row bfloat16 block took ~61 cycles for its 16 vdpbf16ps, in
+// cache. Here the pairs stay in registers (AVX2: some spill, 8 per chunk rather than 16 float32 vectors) and
+// float32 weights are widened from them input by input. The same dot products in the same order: the same bits.
+// quant_linear_bench.py (two threads, same bits at every row count), before -> after:
+//   bfloat16: 1 row 1.32x, 3 rows 1.36x, 4 rows 1.24x, 6 rows 1.08x, 8 rows and more unchanged;
+//   float32, AVX512 (the native build and the Ice Lake build alike): 1 row 1.55-1.60x, 2-3 rows 1.8-1.9x, 4 rows
+//   1.35-1.45x, 6 rows 1.25x, 8 to 48 rows 1.1-1.2x;  AVX2: 1 row 1.30x, 2 rows 1.35x, 3 rows 1.19x, 4 rows
+//   1.12x, 5 to 48 rows 1.04-1.12x.
+// Past 48 rows this path measured no faster than the panels (float32) or slower (bfloat16: 0.83x), so
+// kDirectRows stays. The portable build keeps whole records (its speed on ARM64 is unmeasured).
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+template <int XT>
+constexpr bool kChunked = true;
+#else
+template <int XT>
+constexpr bool kChunked = false;
+#endif
+
+// int8 records (Q8_0, the default model's head; Q5_0; Q6_K) pair by pair: from memory (the head's 32 MB,
+// benchmarks/quant_linear_bench.py --type q8_0 --shape 49152x576), float32 from this many rows: 4, 5, 8 and 16
+// rows 1.35x, 1.39x, 1.34x and 1.16x (AVX512), 1.15x, 1.21x, 1.30x and 1.15x (AVX2); fewer rows the same, but one
+// bfloat16 row 1.75x slower (its stream from memory fell from ~33 to ~19 GB/s). bfloat16 keeps whole records at
+// every row count: 4 rows measured 0.77x, 5 rows 1.03x, 8 rows 1.27x, 16 rows 0.96x.
+constexpr int kInt8ChunkedRows = 4;
+
+template <int WT, int XT, int R, int NB>
+__attribute__((always_inline)) inline void chunked_blocks(const Args& a, const uint8_t* rec, int64_t b, int64_t r0, VF* total) {
+    const int64_t bytes = a.kind.bytes(), at = r0 * (a.k / kBlock) + b * R;
+    VF dm[NB][2];
+    for (int i = 0; i < NB; ++i) {
+        prefetch_record(rec + i * bytes, a.kind);
+        load_scales(rec + i * bytes, a.kind, dm[i]);
+    }
+    const uint8_t* qs = rec + a.kind.scales_bytes();
+    const auto scales = [&](int i) { return dm[i]; };
+    if constexpr (XT == kDtypeBF16) {
+#if defined(BRINE_SIMD_DPBF16)
+        static_assert(WT == kQ4, "bfloat16's int8 records are unpacked whole (kInt8ChunkedRows)");
+        __m512i pv[NB][4];  // the NB blocks' pairs of one chunk
+        dot_bf16<R, NB>(
+            a, at,
+            [&](int c) {
+                for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
+            },
+            [&](int i, int, int j) { return pv[i][j]; }, scales, total);
+#endif
+    } else if constexpr (WT == kQ4) {  // (int8: input by input, int8_input)
+#if defined(BRINE_SIMD_AVX512)
+        __m512i pv[NB][4];
+        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+        dot_f32<R, NB, true>(
+            a, at,
+            [&](int c) {
+                for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
+            },
+            [&](int i, int, int j) {  // input 8c + j: the low (even) or high (odd) bfloat16 of its pair, widened
+                const __m512i v = pv[i][j / 2];
+                return VF{_mm512_castsi512_ps(j % 2 ? _mm512_and_si512(v, high) : _mm512_slli_epi32(v, 16))};
+            },
+            scales, total);
+#elif defined(BRINE_SIMD_AVX2)
+        __m256i pv[NB][4][2];  // [block][pair][columns 0-7, 8-15]
+        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+        dot_f32<R, NB, true>(
+            a, at,
+            [&](int c) {
+                for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
+            },
+            [&](int i, int, int j) {
+                const __m256i* v = pv[i][j / 2];
+                if (j % 2) return VF{_mm256_castsi256_ps(_mm256_and_si256(v[0], high)), _mm256_castsi256_ps(_mm256_and_si256(v[1], high))};
+                return VF{_mm256_castsi256_ps(_mm256_slli_epi32(v[0], 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v[1], 16))};
+            },
+            scales, total);
+#endif
+    } else {
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+        dot_f32<R, NB, true>(
+            a, at, [](int) {}, [&](int i, int c, int j) { return int8_input(qs + i * bytes, 8 * c + j); }, scales, total);
+#endif
+    }
+}
+
 // Blocks [b, end) of one row group against one tile, straight from their records (rec: block b's), NB at a time
 // and then fewer for the rest.
 template <int WT, int XT, int R, int NB>
 inline void direct_blocks(const Args& a, const uint8_t* rec, int64_t b, int64_t end, int64_t r0, VF* total) {
     const int64_t bytes = a.kind.bytes();
-#if defined(BRINE_SIMD_DPBF16)
-    // vdpbf16ps without tiles, 4-bit q: each 64-byte chunk of the NB records is unpacked just before its pairs'
-    // dot products, so the pairs stay in registers. Unpacking whole records first (as below) stored NB x 16
-    // vectors to the stack and loaded them back: on a Zen 4 EPYC that store traffic, not the arithmetic, bounded
-    // the few-row calls (a 1-row block ~61 cycles for its 16 vdpbf16ps, in cache). The same dot products in the
-    // same order, so the same bits. quant_linear_bench.py --dtype bfloat16 (two threads): 1 row 1.32x, 3 rows
-    // 1.36x, 4 rows 1.24x, 6 rows 1.08x, 8 rows and more (one block at a time, or the panels) unchanged. The int8
-    // records (Q8_0's head, Q5_0, Q6_K) took 2x longer this way (their wider unpacking spilled) and keep it.
-    if constexpr (XT == kDtypeBF16 && WT == kQ4) {
-        if (!kAmx) {
-            for (; b + NB <= end; b += NB, rec += NB * bytes) {
-                VF dm[NB][2];
-                for (int i = 0; i < NB; ++i) {
-                    prefetch_record(rec + i * bytes, a.kind);
-                    load_scales(rec + i * bytes, a.kind, dm[i]);
-                }
-                const uint8_t* qs = rec + a.kind.scales_bytes();
-                __m512i pv[NB][4];  // the NB blocks' pairs of one chunk
-                dot_bf16<R, NB>(
-                    a, r0 * (a.k / kBlock) + b * R,
-                    [&](int c) {
-                        for (int i = 0; i < NB; ++i) unpack_bf16_chunk<WT>(qs + i * bytes, c, pv[i]);
-                    },
-                    [&](int i, int, int j) { return pv[i][j]; }, [&](int i) { return dm[i]; }, total);
-            }
-            if constexpr (NB > 1) direct_blocks<WT, XT, R, NB / 2>(a, rec, b, end, r0, total);
-            return;
-        }
-    }
-#endif
-#if defined(BRINE_SIMD_AVX512)
-    // The float32 path, 4-bit q, likewise: each chunk's 4 pair vectors stay in registers and each input's float32
-    // weights are widened from them as its fmas take them (32 vectors a record stored and loaded back before).
-    // The same fmas in the same order. quant_linear_bench.py --dtype float32 (two threads, the native build and
-    // the Ice Lake build, BRINE_CPU_TIER=avx512-vnni, alike): 1 row 1.55-1.60x, 2 rows 1.8x, 3 rows 1.8-1.9x, 4
-    // rows 1.35-1.45x, 6 rows 1.25x, 8 to 48 rows 1.1-1.2x; the panels (more rows) unchanged. Past 48 rows this
-    // path measured no faster than the panels (float32) or slower (bfloat16: 0.83x), so kDirectRows stays.
-    if constexpr (XT == kDtypeF32 && WT == kQ4) {
-        for (; b + NB <= end; b += NB, rec += NB * bytes) {
-            VF dm[NB][2];
-            for (int i = 0; i < NB; ++i) {
-                prefetch_record(rec + i * bytes, a.kind);
-                load_scales(rec + i * bytes, a.kind, dm[i]);
-            }
-            const uint8_t* qs = rec + a.kind.scales_bytes();
-            __m512i pv[NB][4];  // the NB blocks' pairs of one chunk, widened to float32 as each input is taken
-            dot_f32<R, NB, true>(
-                a, r0 * (a.k / kBlock) + b * R,
-                [&](int c) {
-                    for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
-                },
-                [&](int i, int, int j) {
-                    const __m512i v = pv[i][j / 2];
-                    return VF{_mm512_castsi512_ps(j % 2 ? _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))
-                                                        : _mm512_slli_epi32(v, 16))};
-                },
-                [&](int i) { return dm[i]; }, total);
-        }
-        if constexpr (NB > 1) direct_blocks<WT, XT, R, NB / 2>(a, rec, b, end, r0, total);
-        return;
-    }
-#endif
-#if defined(BRINE_SIMD_AVX2)
-    // AVX2 likewise, on the pairs of both column halves: its 16 registers do not hold a chunk of 4 blocks beside
-    // a row's sums, so some pair vectors go to the stack, but 8 a chunk rather than 16 float32 ones. quant_linear_bench.py
-    // --dtype float32 under BRINE_CPU_TIER=avx2 (two threads): 1 row 1.29x, 2 rows 1.36x, 3 rows 1.19x, 4 rows
-    // 1.11x, 5 to 48 rows 1.04-1.12x.
-    if constexpr (XT == kDtypeF32 && WT == kQ4) {
-        for (; b + NB <= end; b += NB, rec += NB * bytes) {
-            VF dm[NB][2];
-            for (int i = 0; i < NB; ++i) {
-                prefetch_record(rec + i * bytes, a.kind);
-                load_scales(rec + i * bytes, a.kind, dm[i]);
-            }
-            const uint8_t* qs = rec + a.kind.scales_bytes();
-            __m256i pv[NB][4][2];
-            dot_f32<R, NB, true>(
-                a, r0 * (a.k / kBlock) + b * R,
-                [&](int c) {
-                    for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
-                },
-                [&](int i, int, int j) {
-                    const __m256i* v = pv[i][j / 2];
-                    if (j % 2) {
-                        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-                        return VF{_mm256_castsi256_ps(_mm256_and_si256(v[0], high)), _mm256_castsi256_ps(_mm256_and_si256(v[1], high))};
-                    }
-                    return VF{_mm256_castsi256_ps(_mm256_slli_epi32(v[0], 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v[1], 16))};
-                },
-                [&](int i) { return dm[i]; }, total);
-        }
-        if constexpr (NB > 1) direct_blocks<WT, XT, R, NB / 2>(a, rec, b, end, r0, total);
-        return;
-    }
-#endif
     for (; b + NB <= end; b += NB, rec += NB * bytes) {
+        if constexpr (kChunked<XT> && (WT == kQ4 || (XT == kDtypeF32 && R >= kInt8ChunkedRows)))
+            if (XT != kDtypeBF16 || !kAmx) {  // (AMX's tile loads take whole unpacked records from memory)
+                chunked_blocks<WT, XT, R, NB>(a, rec, b, r0, total);
+                continue;
+            }
         VF w[NB * block_vectors(XT)];
         for (int i = 0; i < NB; ++i) unpack_block<WT, XT>(rec + i * bytes, a.kind, w + i * block_vectors(XT));
         blocks_dot<XT, R, NB>(a, w, b, r0, total);
