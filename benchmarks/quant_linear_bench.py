@@ -24,16 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.quant_q8_bench import SHAPES, best_per_call, gguf_weights  # noqa: E402
 from engine.model.kernels.build import baseline_csrc, build_baseline, load  # noqa: E402
-from engine.model.layers.quant_linear import (  # noqa: E402
-    GGML_Q4_0,
-    GGML_Q4_1,
-    GGML_Q5_0,
-    GGML_Q5_1,
-    GGML_Q8_0,
-    QuantLinear,
-)
+from engine.model.layers.quant_linear import TYPE_NAMES, QuantLinear  # noqa: E402
 
-TYPES = {"q4_0": GGML_Q4_0, "q4_1": GGML_Q4_1, "q5_0": GGML_Q5_0, "q5_1": GGML_Q5_1, "q8_0": GGML_Q8_0}
+# the 32-weight types gguf-py can quantize (the K-quants' blocks it cannot write)
+TYPES = {
+    name.lower(): t for t, name in TYPE_NAMES.items() if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+}
 
 
 def main() -> None:
@@ -55,7 +51,9 @@ def main() -> None:
     kernels, why = load()
     if kernels is None:
         raise SystemExit(f"this tree's kernels are not available: {why}")
-    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shape] if args.shape else SHAPES
+    shapes: list[tuple[int, ...]] = (
+        [tuple(int(n) for n in s.split("x")) for s in args.shape] if args.shape else list(SHAPES)
+    )
     raws = gguf_weights(TYPES[args.type], shapes)
     with tempfile.TemporaryDirectory() as tmp:
         before = build_baseline(baseline_csrc(args.baseline), Path(tmp) / "baseline.so")
