@@ -300,9 +300,7 @@ inline void unpack_f32(const uint8_t* qs, VF* w) {
 #endif
 
 #if defined(BRINE_SIMD_DPBF16)
-// The record's q as bfloat16 pairs for vdpbf16ps: pv[p] dword c = (q[c][2p], q[c][2p+1]). unpack_bf16_chunk: pairs
-// 4c .. 4c + 3 alone, into pv[0 .. 3] (one 64-byte chunk of 4-bit q).
-// int8_pair: pair p of int8 q.
+// The record's q as bfloat16 pairs for vdpbf16ps: pv[p] dword c = (q[c][2p], q[c][2p+1]). int8_pair: pair p of int8 q.
 inline __m512i int8_pair(const uint8_t* qs, int p) {
     const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
     // int16 -> float32 -> bfloat16, exact for |q| <= 128: each word goes to its own lane pair
@@ -314,16 +312,12 @@ inline __m512i int8_pair(const uint8_t* qs, int p) {
     return _mm512_or_si512(lo_b, hi_b);
 }
 template <int WT>
-inline void unpack_bf16_chunk(const uint8_t* qs, int c, __m512i* pv) {
-    if constexpr (WT == kQ4) {
-        q4_chunk(qs, c, pv);
-    } else {
-        for (int i = 0; i < 4; ++i) pv[i] = int8_pair(qs, 4 * c + i);
-    }
-}
-template <int WT>
 inline void unpack_bf16(const uint8_t* qs, __m512i* pv) {
-    for (int c = 0; c < kPairs / 4; ++c) unpack_bf16_chunk<WT>(qs, c, pv + 4 * c);
+    if constexpr (WT == kQ4) {
+        q4_pairs(qs, pv);
+    } else {
+        for (int p = 0; p < kPairs; ++p) pv[p] = int8_pair(qs, p);
+    }
 }
 #endif
 
@@ -689,7 +683,8 @@ constexpr int blocks_at_once(int rows) {
 }
 
 // NB records' blocks (rec: the first's; b: its block) of one row group against one tile, unpacked as their dot
-// products take them: a 64-byte chunk of 4-bit q (4 pairs) at a time, an int8 pair at a time. Unpacking whole
+// products take them: a 64-byte chunk of 4-bit q (4 pairs) at a time; float32's int8 records input by input
+// (from kInt8ChunkedRows rows). Unpacking whole
 // records first (direct_blocks' other path) stored NB x 16 bfloat16 pair vectors, or NB x 32 float32 ones, to the
 // stack and loaded them back; on a Zen 4 EPYC that traffic, not the arithmetic, bounded the calls of a few rows
 // (a decode, a few streams, a verify chunk): a 1-row bfloat16 block took ~61 cycles for its 16 vdpbf16ps, in
@@ -703,10 +698,8 @@ constexpr int blocks_at_once(int rows) {
 // Past 48 rows this path measured no faster than the panels (float32) or slower (bfloat16: 0.83x), so
 // kDirectRows stays. The portable build keeps whole records (its speed on ARM64 is unmeasured).
 #if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
-template <int XT>
 constexpr bool kChunked = true;
 #else
-template <int XT>
 constexpr bool kChunked = false;
 #endif
 
@@ -781,7 +774,7 @@ template <int WT, int XT, int R, int NB>
 inline void direct_blocks(const Args& a, const uint8_t* rec, int64_t b, int64_t end, int64_t r0, VF* total) {
     const int64_t bytes = a.kind.bytes();
     for (; b + NB <= end; b += NB, rec += NB * bytes) {
-        if constexpr (kChunked<XT> && (WT == kQ4 || (XT == kDtypeF32 && R >= kInt8ChunkedRows)))
+        if constexpr (kChunked && (WT == kQ4 || (XT == kDtypeF32 && R >= kInt8ChunkedRows)))
             if (XT != kDtypeBF16 || !kAmx) {  // (AMX's tile loads take whole unpacked records from memory)
                 chunked_blocks<WT, XT, R, NB>(a, rec, b, r0, total);
                 continue;
