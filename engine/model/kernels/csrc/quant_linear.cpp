@@ -683,10 +683,9 @@ constexpr int blocks_at_once(int rows) {
 }
 
 // NB records' blocks (rec: the first's; b: its block) of one row group against one tile, unpacked as their dot
-// products take them: a 64-byte chunk of 4-bit q (4 pairs) at a time; float32's int8 records input by input
-// (from kInt8ChunkedRows rows). Unpacking whole
-// records first (direct_blocks' other path) stored NB x 16 bfloat16 pair vectors, or NB x 32 float32 ones, to the
-// stack and loaded them back; on a Zen 4 EPYC that traffic, not the arithmetic, bounded the calls of a few rows
+// products take them: a 64-byte chunk of 4-bit q (4 pairs) at a time; float32's int8 records input by input (from
+// kInt8ChunkedRows rows). Unpacking whole records first (direct_blocks' other path) stored NB x 16 bfloat16 pair
+// vectors, or NB x 32 float32 ones, to the stack and loaded them back; on a Zen 4 EPYC that traffic, not the arithmetic, bounded the calls of a few rows
 // (a decode, a few streams, a verify chunk): a 1-row bfloat16 block took ~61 cycles for its 16 vdpbf16ps, in
 // cache. Here the pairs stay in registers (AVX2: some spill, 8 per chunk rather than 16 float32 vectors) and
 // float32 weights are widened from them input by input. The same dot products in the same order: the same bits.
@@ -703,11 +702,12 @@ constexpr bool kChunked = true;
 constexpr bool kChunked = false;
 #endif
 
-// int8 records (Q8_0, the default model's head; Q5_0; Q6_K) pair by pair: from memory (the head's 32 MB,
-// benchmarks/quant_linear_bench.py --type q8_0 --shape 49152x576), float32 from this many rows: 4, 5, 8 and 16
-// rows 1.35x, 1.39x, 1.34x and 1.16x (AVX512), 1.15x, 1.21x, 1.30x and 1.15x (AVX2); fewer rows the same, but one
-// bfloat16 row 1.75x slower (its stream from memory fell from ~33 to ~19 GB/s). bfloat16 keeps whole records at
-// every row count: 4 rows measured 0.77x, 5 rows 1.03x, 8 rows 1.27x, 16 rows 0.96x.
+// int8 records (Q8_0, the default model's head; Q5_0; Q6_K) one input (float32) or pair (bfloat16) at a time,
+// from memory (the head's 32 MB, benchmarks/quant_linear_bench.py --type q8_0 --shape 49152x576): float32 from this
+// many rows, where 4, 5, 8 and 16 rows measured 1.35x, 1.39x, 1.34x and 1.16x (AVX512), 1.15x, 1.21x, 1.30x and
+// 1.15x (AVX2), and fewer rows the same. bfloat16 keeps whole records at every row count: one row measured 1.75x
+// slower pair by pair (its stream from memory fell from ~33 to ~19 GB/s), 4 rows 0.77x, 5 rows 1.03x, 8 rows
+// 1.27x, 16 rows 0.96x.
 constexpr int kInt8ChunkedRows = 4;
 
 template <int WT, int XT, int R, int NB>
