@@ -3,8 +3,9 @@
 `QuantLinear` on the default model's shapes (1536 x 576, 576 x 1536, 960 x 576: gate/up, down, q/k/v; or each
 `--shape`, such as its head's, 49152x576, which streams from memory) in Q4_1 (or `--type`: Q8_0 is the default
 model's head, and has the int8 records of Q5_0 and Q6_K), x of each `--rows` count in `--dtype`, the two builds
-alternated round by round, the best round of each summed over the shapes; the last column says whether both gave the same bits (a change of arithmetic, such as another
-tier's dot products, shows there). Both builds are for this CPU's own tier, or the one BRINE_CPU_TIER names.
+alternated round by round, the best round of each summed over the shapes; the last column says whether both gave
+the same bits (a change of arithmetic, such as another tier's dot products, shows there). Both builds are for
+this CPU's own tier, or the one BRINE_CPU_TIER names.
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python benchmarks/quant_linear_bench.py --baseline /tmp/before --dtype bfloat16 --threads 2

@@ -685,9 +685,9 @@ constexpr int blocks_at_once(int rows) {
 // NB records' blocks (rec: the first's; b: its block) of one row group against one tile, unpacked as their dot
 // products take them: a 64-byte chunk of 4-bit q (4 pairs) at a time; float32's int8 records input by input (from
 // kInt8ChunkedRows rows). Unpacking whole records first (direct_blocks' other path) stored NB x 16 bfloat16 pair
-// vectors, or NB x 32 float32 ones, to the stack and loaded them back; on a Zen 4 EPYC that traffic, not the arithmetic, bounded the calls of a few rows
-// (a decode, a few streams, a verify chunk): a 1-row bfloat16 block took ~61 cycles for its 16 vdpbf16ps, in
-// cache. Here the pairs stay in registers (AVX2: some spill, 8 per chunk rather than 16 float32 vectors) and
+// vectors, or NB x 32 float32 ones, to the stack and loaded them back; on a Zen 4 EPYC that traffic, not the
+// arithmetic, bounded the calls of a few rows (a decode, a few streams, a verify chunk): a 1-row bfloat16 block
+// took ~61 cycles for its 16 vdpbf16ps, in cache. Here the pairs stay in registers (AVX2: some spill, 8 per chunk rather than 16 float32 vectors) and
 // float32 weights are widened from them input by input. The same dot products in the same order: the same bits.
 // quant_linear_bench.py (two threads, same bits at every row count), before -> after:
 //   bfloat16: 1 row 1.32x, 3 rows 1.36x, 4 rows 1.24x, 6 rows 1.08x, 8 rows and more unchanged;
