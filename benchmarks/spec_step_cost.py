@@ -18,13 +18,15 @@ quantized linears (Q4_1 qkv, o, gate/up and down in 30 layers, each its own weig
 memory as in a step; the Q8_0 output head) and its attention (9 heads, 3 KV heads, head_dim 64, 30 layers'
 caches of `--context` tokens in scattered blocks), for one sequence of each of ROWS query tokens; CPU time, ms
 per step (`--clock wall`: wall time, what a step waits on, which two threads' imbalance adds to and an idle
-thread's spinning does not). With `--baseline DIR` each kernel alternates with another checkout's (built for the same tier) and
-the line says whether their outputs have the same bits: the before / after of a kernel change.
+thread's spinning does not). With `--baseline DIR` each kernel alternates with another checkout's (built for the same tier),
+`--runs` times (7 unless told), and the line gives the median of the paired runs' ratios and says whether their
+outputs have the same bits: the before / after of a kernel change.
 
     .venv/bin/python benchmarks/spec_step_cost.py                          # B 1,4,8,16,32; K 0,1,2,4,8
     .venv/bin/python benchmarks/spec_step_cost.py --batch 1 --draft 0,4,8,16 --context 2000
     .venv/bin/python benchmarks/spec_step_cost.py --kernels 1,2,3,5,9 --threads 1 --baseline /tmp/before
     .venv/bin/python benchmarks/spec_step_cost.py --kernels 1,5,7,9,16 --clock wall --baseline /tmp/before
+    .venv/bin/python benchmarks/spec_step_cost.py --kernels 1,5,9 --clock wall --runs 80 --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -145,28 +147,35 @@ def kernel_costs(args: argparse.Namespace) -> None:
     rows = [int(r) for r in args.kernels.split(",")]
     rng = np.random.default_rng(0)
     print(f"tier {mine.tier}, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, context {args.context}; "
-          f"median of 7 alternated runs, ms per step ({args.clock} time): {' -> '.join(kernels)}")  # fmt: skip
+          f"median of {args.runs} alternated runs, ms per step ({args.clock} time): {' -> '.join(kernels)}"
+          + (" (the median of the runs' paired ratios)" if len(kernels) > 1 else ""))  # fmt: skip
     totals = {name: [0.0] * len(rows) for name in kernels}
 
-    def timed(calls: dict[str, Callable[[], torch.Tensor]]) -> tuple[dict[str, float], bool]:
+    def timed(calls: dict[str, Callable[[], torch.Tensor]]) -> tuple[dict[str, float], bool, float | None]:
+        """Medians, whether the outputs have the same bits, and (two calls) the median of the runs' ratios of
+        the first's time over the second's: a pair of runs shares the machine's state of the moment, which on
+        these machines moves both by more than a kernel change does."""
         times: dict[str, list[float]] = {name: [] for name in calls}
         outs = {}
-        for rep in range(8):
-            for name, call in calls.items():
+        for rep in range(args.runs + 1):
+            for name, call in calls.items() if rep % 2 else reversed(calls.items()):
                 t0 = clock()
                 outs[name] = call()
                 if rep:  # the first: warm-up
                     times[name].append(clock() - t0)
         got = list(outs.values())
         same = all(torch.equal(o.view(torch.uint8), got[0].view(torch.uint8)) for o in got)
-        return {name: 1000 * statistics.median(t) for name, t in times.items()}, same
+        series = list(times.values())
+        paired = statistics.median(a / b for a, b in zip(*series, strict=True)) if len(series) == 2 else None
+        return {name: 1000 * statistics.median(t) for name, t in times.items()}, same, paired
 
-    def report(label: str, per_rows: list[tuple[dict[str, float], bool]]) -> None:
+    def report(label: str, per_rows: list[tuple[dict[str, float], bool, float | None]]) -> None:
         cells = []
-        for i, (ms, same) in enumerate(per_rows):
+        for i, (ms, same, paired) in enumerate(per_rows):
             for name, v in ms.items():
                 totals[name][i] += v
             cell = " -> ".join(f"{v:6.2f}" for v in ms.values())
+            cell += f" ({paired:.2f}x)" if paired is not None else ""
             cells.append(f"R={rows[i]}: {cell}" + ("" if same else " (bits differ)"))
         print(f"{label:10} " + "  ".join(cells), flush=True)
 
@@ -203,6 +212,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2000)
     p.add_argument("--steps", type=int, default=6, help="steps per (B, K) per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runs", type=int, default=7, help="--kernels: alternated runs per kernel and row count")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
