@@ -158,6 +158,42 @@ def test_a_rows_bits_do_not_depend_on_threads_or_on_the_physical_blocks(native, 
     assert torch.equal(_run(native, c, q, [(ctx, ctx, moved)], None), one), isa_summary()
 
 
+@pytest.mark.parametrize("more", [2, 3, 4], ids=lambda n: f"{n}threads")
+@pytest.mark.parametrize(
+    "heads,dim,window",
+    [((9, 3), 64, None), ((9, 3), 64, 1100), ((4, 1), 128, None)],
+    ids=["gqa3", "window", "mqa-d128"],
+)
+def test_a_lone_bfloat16_decode_shared_by_the_threads_has_the_bits_of_one_thread(
+    native, more, heads, dim, window
+):
+    """bfloat16 on AVX512-BF16 without tiles: a lone decode or a short verify chunk over a long context has fewer
+    units (KV heads) than spread evenly over the threads, and the threads then share every unit's walk
+    (csrc/paged_attention.cpp, run_bf16_shared: its blocks' scores, then its chunks of dims). The bits must be
+    those of one thread walking each unit whole, on 2 threads and on 4 (3 threads take 3 units whole), and right.
+    Shorter contexts, more rows and two requests of 3 KV heads (6 units) are walked whole: the same bits either
+    way. Elsewhere bfloat16 runs other paths, which must hold the same property."""
+    c = Paged(heads, dim, 16, torch.bfloat16, blocks=700, seed=7)
+    cases = [
+        [(1, 2000)],
+        [(3, 1500)],
+        [(5, 1100)],
+        [(1, 530)],
+        [(9, 2000)],
+        [(13, 1000)],
+        [(1, 1200), (2, 900)],
+    ]
+    for shape in cases:
+        reqs = [(n, ctx, c.table(ctx)) for n, ctx in shape]
+        q = torch.randn(sum(n for n, _ in shape), c.h, c.d, generator=c.g).to(torch.bfloat16)
+        what = f"{shape}, window {window}, {more} threads ({isa_summary()})"
+        one, many, _ = _on_one_and_more_threads(native, c, q, reqs, window, more=more)
+        assert torch.equal(one, many), what
+        err = (many.double() - c.reference(q, reqs, window)).abs().max().item()
+        assert err <= TOL[torch.bfloat16], f"max error {err}: {what}"
+        c.free += [b for *_, t in reqs for b in t]
+
+
 def test_a_block_table_shorter_than_the_context_is_refused(native):
     c = Paged()
     with pytest.raises(ValueError, match="block table"):

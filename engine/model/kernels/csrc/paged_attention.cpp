@@ -29,6 +29,8 @@
 // Rows are computed in groups only to give the CPU independent chains; that changes no row's arithmetic
 // either. The tests compare rows computed alone, chunked, batched, on other blocks and threads bit for bit.
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -154,6 +156,16 @@ constexpr int pow2_at_least(int n) {
     int w = 1;
     while (w < n) w *= 2;
     return w;
+}
+
+template <int N>
+using Count = std::integral_constant<int, N>;
+template <int kHigh, typename F>
+inline void with_count(int n, F&& f) {  // f(Count<n>{}) for 1 <= n <= kHigh
+    if constexpr (kHigh >= 1) {
+        if (n == kHigh) return f(Count<kHigh>{});
+        with_count<kHigh - 1>(n, f);
+    }
 }
 
 // An item's query tokens, and the keys each may see: positions [first_key(t), end_key(t)).
@@ -526,7 +538,7 @@ struct Bf16Work {
     void tile_values_kept(const Args& a, int b, const __m512i* vpairs) {
         constexpr int NC = DC / 32;
         wt.assign(static_cast<size_t>(RP) * 8, 0u);
-        block_weights(a, b, [&](int r) { return wt.data() + r * 8; });
+        block_weights(a, b, mx.data(), ls.data(), [&](int r) { return wt.data() + r * 8; });
         _tile_loadd(4, wt.data(), 32);
         _tile_loadd(5, vpairs + 0, 2 * NC * 64);
         _tile_dpbf16ps(0, 4, 5);
@@ -611,7 +623,7 @@ struct Bf16Work {
     void tile_values(const Args& a, int b, const __m512i* vpairs) {
         constexpr int NC = DC / 32;
         wt.assign(static_cast<size_t>(RP) * 8, 0u);
-        block_weights(a, b, [&](int r) { return wt.data() + r * 8; });
+        block_weights(a, b, mx.data(), ls.data(), [&](int r) { return wt.data() + r * 8; });
         for (int r0 = 0; r0 < RP; r0 += 16) {
             _tile_loadd(4, wt.data() + r0 * 8, 32);
             for (int i = 0; i < 2 * NC; ++i) {
@@ -626,24 +638,39 @@ struct Bf16Work {
 #endif
 
     // Block b's weights for every row that sees any of its keys, in row order (bf16_weights: into the row's lane
-    // sums, and its weight pairs where dest(r) says).
+    // sums ls, from its max in mx[r * 16], and its weight pairs where dest(r) says).
     template <typename Dest>
-    void block_weights(const Args& a, int b, Dest&& dest) {
+    void block_weights(const Args& a, int b, const float* mxs, float* lss, Dest&& dest) const {
         for (int t = 0; t < ik.ntok; ++t) {
             int vlo, vhi;
             ik.visible(a, t, b, 16, vlo, vhi);
             if (vhi <= vlo) continue;
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
-                bf16_weights(sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16, mx[r * 16], vlo, vhi,
-                             ls.data() + r * 16, dest(r));
+                bf16_weights(sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16, mxs[r * 16], vlo, vhi,
+                             lss + r * 16, dest(r));
             }
         }
     }
 
     // Pass 1: scores, two blocks at a time, then each row's max per lane, then per row.
     void scores(const Args& a) {
-        const int bA = ik.b_lo, bB = ik.b_hi;
+        scores_of(a, ik.b_lo, ik.b_hi, mx.data());
+        row_max(mx.data());
+    }
+
+    // Each lane's max (in lane 0: the row's) by a halving tree over the lanes (max is exact in any order).
+    void row_max(float* mxs) const {
+        for (int r = 0; r < R; ++r) {
+            float* mr = mxs + r * 16;
+            for (int w = 8; w >= 1; w /= 2)
+                for (int j = 0; j < w; ++j) mr[j] = mr[j] > mr[j + w] ? mr[j] : mr[j + w];
+        }
+    }
+
+    // The scores of blocks [bA, bB) into sc, and their max per row and key lane into mxs ([R][16], which holds
+    // the max so far).
+    void scores_of(const Args& a, int bA, int bB, float* mxs) {
         const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
         const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * DC;
         const __m512 vscale = _mm512_set1_ps(a.scale);
@@ -703,21 +730,23 @@ struct Bf16Work {
                     const int r = t * G + g;
                     const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), vis,
                                                           sc.data() + int64_t{r} * span + (b - ik.b_lo) * 16);
-                    float* mr = mx.data() + r * 16;
+                    float* mr = mxs + r * 16;
                     _mm512_storeu_ps(mr, _mm512_max_ps(x, _mm512_loadu_ps(mr)));
                 }
             }
-        for (int r = 0; r < R; ++r) {  // a halving tree over the lanes (max is exact in any order)
-            float* mr = mx.data() + r * 16;
-            for (int w = 8; w >= 1; w /= 2)
-                for (int j = 0; j < w; ++j) mr[j] = mr[j] > mr[j + w] ? mr[j] : mr[j + w];
-        }
     }
 
     // Pass 2: weights (into the lane sums) and weights x values, rows four at a time; then the outputs.
-    void values(const Args& a) {
-        constexpr int NC = DC / 32;  // chunks of 32 output dimensions
-        const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache);
+    void values(const Args& a) { values_of<DC / 32>(a, 0, mx.data(), ls.data(), acc.data()); }
+
+    // Pass 2 for the output dimensions of chunks [c0, c0 + NCS) of 32 (all of them: NCS = DC / 32), from each
+    // row's max in mxs[r * 16], with the lane sums in lss ([R][16], zeros) and the value sums in accs ([RP][DC],
+    // zeros in those chunks). Every chunk's sums are the same whichever chunks are taken together, and every
+    // caller computes the same weights and lane sums: run_bf16_shared gives a unit's chunks to different threads.
+    template <int NCS>
+    void values_of(const Args& a, int c0, const float* mxs, float* lss, float* accs) {
+        constexpr int NC = NCS;  // chunks of 32 output dimensions taken here
+        const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache) + 32 * c0;
         const int64_t key_stride = static_cast<int64_t>(a.kv_heads) * DC;
         alignas(64) __m512i vpairs[8 * 2 * NC];
         for (int b = ik.b_lo; b < std::min(ik.b_hi, ik.b_lo + kPrefetchBlocks); ++b) {  // see kPrefetchBlocks
@@ -738,21 +767,23 @@ struct Bf16Work {
                 for (int c = 0; c < NC; ++c) {
                     const uint16_t* v = vc + vb + (2 * jp) * key_stride + 32 * c;
                     const __m512i v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + key_stride);
-                    // lane i of lo: d = 32c + 8(i / 4) + i % 4; of hi: the same + 4
+                    // lane i of lo: d = 32(c0 + c) + 8(i / 4) + i % 4; of hi: the same + 4
                     vpairs[jp * 2 * NC + 2 * c] = _mm512_unpacklo_epi16(v0, v1);
                     vpairs[jp * 2 * NC + 2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
                 }
 #if defined(BRINE_SIMD_AMX)
-            if (kAmx && keeps_tiles()) {
-                if (b == ik.b_lo) kept_sums_in();
-                tile_values_kept(a, b, vpairs);
-                if (b + 1 == ik.b_hi) kept_sums_out();
-                continue;
-            }
-            if (kAmx) {
-                tile_values(a, b, vpairs);
-                continue;
-            }
+            if constexpr (NCS == DC / 32)
+                if (kAmx && keeps_tiles()) {
+                    if (b == ik.b_lo) kept_sums_in();
+                    tile_values_kept(a, b, vpairs);
+                    if (b + 1 == ik.b_hi) kept_sums_out();
+                    continue;
+                }
+            if constexpr (NCS == DC / 32)
+                if (kAmx) {
+                    tile_values(a, b, vpairs);
+                    continue;
+                }
 #endif
             float* group[4];
             alignas(32) uint32_t w[4][8];
@@ -767,9 +798,9 @@ struct Bf16Work {
                 }
                 n = 0;
             };
-            block_weights(a, b, [&](int r) {  // a full group's products first, then its weights' slot again
+            block_weights(a, b, mxs, lss, [&](int r) {  // a full group's products first, then its weights' slot again
                 if (n == 4) flush();
-                group[n] = acc.data() + r * DC;
+                group[n] = accs + r * DC + 32 * c0;
                 return w[n++];
             });
             flush();
@@ -778,13 +809,13 @@ struct Bf16Work {
             for (int g = 0; g < G; ++g) {
                 const int r = t * G + g;
                 const int64_t oo = (static_cast<int64_t>(ik.tok0 + t) * a.heads + kvh * G + g) * DC;
-                float* lanes = ls.data() + r * 16;  // the sum of weights: a fixed halving tree over the key lanes
+                float* lanes = lss + r * 16;  // the sum of weights: a fixed halving tree over the key lanes
                 for (int wd = 8; wd >= 1; wd /= 2)
                     for (int j = 0; j < wd; ++j) lanes[j] += lanes[j + wd];
                 const float lr = lanes[0] > 0.0f ? lanes[0] : 1.0f;  // a row that sees no key (not causal): 0
-                for (int d = 0; d < DC; ++d) {
+                for (int d = 32 * c0; d < 32 * (c0 + NCS); ++d) {
                     const int c = d / 32, l = (d % 32) / 8, k = d % 8;  // where dimension d accumulated
-                    store<kDtypeBF16>(a.out, oo + d, acc[r * DC + 32 * c + 16 * (k >= 4) + 4 * l + k % 4] / lr);
+                    store<kDtypeBF16>(a.out, oo + d, accs[r * DC + 32 * c + 16 * (k >= 4) + 4 * l + k % 4] / lr);
                 }
             }
     }
@@ -804,8 +835,96 @@ struct Bf16Work {
 // (prefills of 512 and 2,048 tokens 1.2-1.3x slower; attention_bench --baseline). Cut: verify chunks of 9
 // tokens 1.14x faster, a 13-token question over a cached document 1.09x.
 constexpr int kMostParts = 3;
+
+// Whether run_bf16_shared takes a step's units (items x KV heads): where whole units would leave threads idle for
+// a quarter of the units' time or more (one sequence's 3 KV heads on 2 threads: 2 walks on one thread, 1 on the
+// other; on 16 threads, 13 idle), every item walks at least kShareMinKeys keys (a short walk is not worth the
+// barrier and the second walk of a shared unit's weights: over 600 keys a lone decode and a verify chunk of 5
+// measured 0.8x-1.03x shared, over 1,000 1.05x-1.07x) and has at most kShareMostRows rows (a verify chunk of
+// 9 tokens, 27 rows, measured 0.91x-1.18x over 2,000 keys, where its sc rows written by one thread and read by
+// the other cost more), and the tiles are not in use (AMX cuts its own parts, above). The float32 paths'
+// counterpart is run_split_units.
+constexpr int kShareMinKeys = 1024, kShareMostRows = 16;
+inline bool shares_units(const Args& a, int threads) {
+    const int64_t units = a.num_items * a.kv_heads, rounds = (units + threads - 1) / threads;
+    if (kAmx || threads < 2 || (rounds * threads - units) * 4 < units) return false;
+    for (int64_t i = 0; i < a.num_items; ++i) {
+        const ItemKeys ik(a, i, 16);
+        if ((ik.b_hi - ik.b_lo) * 16 < kShareMinKeys || ik.ntok * (a.heads / a.kv_heads) > kShareMostRows)
+            return false;
+    }
+    return true;
+}
+
+// Every unit walked by all the threads together, in two phases with a barrier between them. Phase 1: the units'
+// blocks (pairs of them, in order) shared out evenly, each thread taking the scores of its blocks and their max
+// per row and key lane in a max of its own. Phase 2: the units' chunks of 32 output dimensions shared out
+// evenly; a thread merges the threads' maxes for each unit it has chunks of (max is exact in any order), and
+// walks the unit's blocks once for its chunks: every block's weights and lane sums (so a unit whose chunks two
+// threads share has its weights made twice), and the values of its chunks only. A row's scores, max, weights, lane
+// sums and each dimension's value sums are the same numbers in the same order as one thread walking the unit
+// alone (Bf16Work::scores_of, values_of), so the same bits. Why: a decode or a verify chunk of one sequence has
+// as many units as KV heads, and each unit's walk over its context is what the step's attention waits on.
+template <int DC>
+void run_bf16_shared(const Args& a, int threads) {
+    constexpr int NC = DC / 32;
+    const int64_t units = a.num_items * a.kv_heads;
+    // Kept across calls, as the vectors' memory is. They are the caller's (thread_local): the team reaches them
+    // through the pointers below, taken before the parallel region.
+    static thread_local std::vector<Bf16Work<DC>> kept;
+    static thread_local std::vector<int64_t> kept_offsets;  // pairs of blocks before unit u; its maxes' offset
+    static thread_local std::vector<float> kept_maxes;      // [team][units][R][16]: each thread's max per lane
+    if (static_cast<int64_t>(kept.size()) < units) kept.resize(static_cast<size_t>(units));
+    kept_offsets.assign(static_cast<size_t>(2 * units + 1), 0);
+    Bf16Work<DC>* const work = kept.data();
+    int64_t* const pairs_before = kept_offsets.data();  // [units + 1]
+    int64_t* const at = pairs_before + units + 1;        // [units]
+    int64_t rows16 = 0;
+    for (int64_t u = 0; u < units; ++u) {
+        work[u].reset(a, u / a.kv_heads, static_cast<int>(u % a.kv_heads));
+        pairs_before[u + 1] = pairs_before[u] + (work[u].ik.b_hi - work[u].ik.b_lo + 1) / 2;
+        at[u] = rows16, rows16 += int64_t{work[u].R} * 16;
+    }
+    kept_maxes.assign(static_cast<size_t>(threads * rows16), -INFINITY);
+    float* const maxes = kept_maxes.data();
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t p0 = pairs_before[units] * me / team, p1 = pairs_before[units] * (me + 1) / team;
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t lo = std::max(p0, pairs_before[u]), hi = std::min(p1, pairs_before[u + 1]);
+            if (lo >= hi) continue;
+            Bf16Work<DC>& w = work[u];
+            const int b_lo = w.ik.b_lo + 2 * static_cast<int>(lo - pairs_before[u]);
+            const int b_hi = std::min(w.ik.b_hi, w.ik.b_lo + 2 * static_cast<int>(hi - pairs_before[u]));
+            w.scores_of(a, b_lo, b_hi, maxes + me * rows16 + at[u]);
+        }
+#pragma omp barrier
+        static thread_local std::vector<float> mx, ls, acc;  // this thread's own, for each unit it has chunks of
+        const int64_t c0 = units * NC * me / team, c1 = units * NC * (me + 1) / team;
+        for (int64_t u = c0 / NC; u < units && u * NC < c1; ++u) {
+            Bf16Work<DC>& w = work[u];
+            const int64_t n16 = int64_t{w.R} * 16;
+            const int first = static_cast<int>(std::max(c0, u * NC) - u * NC);
+            const int count = static_cast<int>(std::min(c1, (u + 1) * NC) - u * NC) - first;
+            mx.assign(maxes + at[u], maxes + at[u] + n16);
+            for (int64_t t = 1; t < team; ++t) {
+                const float* other = maxes + t * rows16 + at[u];
+                for (int64_t i = 0; i < n16; ++i) mx[i] = other[i] > mx[i] ? other[i] : mx[i];  // as vmaxps
+            }
+            w.row_max(mx.data());
+            ls.assign(static_cast<size_t>(n16), 0.0f);
+            acc.assign(static_cast<size_t>(w.RP) * DC, 0.0f);
+            with_count<NC>(count, [&](auto n) {
+                w.template values_of<decltype(n)::value>(a, first, mx.data(), ls.data(), acc.data());
+            });
+        }
+    }
+}
+
 template <int DC>
 void run_bf16_items(const Args& a, int threads) {
+    if (shares_units(a, threads)) return run_bf16_shared<DC>(a, threads);
     struct Part {
         int64_t item;
         int t0, nt;
@@ -887,16 +1006,6 @@ constexpr int kChunk = 6;  // two ymm per VF: 12 accumulators, the operand and a
 #else
 constexpr int kChunk = 4;
 #endif
-
-template <int N>
-using Count = std::integral_constant<int, N>;
-template <int kHigh, typename F>
-inline void with_count(int n, F&& f) {  // f(Count<n>{}) for 1 <= n <= kHigh
-    if constexpr (kHigh >= 1) {
-        if (n == kHigh) return f(Count<kHigh>{});
-        with_count<kHigh - 1>(n, f);
-    }
-}
 
 inline simd::VF exp_nonpos_lanes(simd::VF x) {  // exp_nonpos, lane by lane: the same operations in the same order
     using namespace simd;
