@@ -39,9 +39,10 @@ def gguf_weights(
 
     from engine.model.layers.quant_linear import GGML_Q4_1
 
+    kind = GGML_Q4_1 if ggml_type is None else ggml_type  # (not `or`: GGML type 0 is F32)
     rng = np.random.default_rng(0)
     return {
-        s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, ggml_type or GGML_Q4_1)
+        s: quants.quantize(rng.standard_normal(s).astype(np.float32) * s[1] ** -0.5, kind)
         for s in shapes or SHAPES
     }
 
