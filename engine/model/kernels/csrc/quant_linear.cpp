@@ -166,6 +166,12 @@ inline void q4_pairs(const uint8_t* qs, __m512i* pv_out) {
     for (int j = 0; j < 4; ++j) q4_chunk(qs, j, pv_out + 4 * j);
 }
 
+// int8 q: input i's 16 weights as float32 (exact), straight from the record's q: pair i / 2's 32 int8
+// (q[c][2p], q[c][2p+1]) for c = 0..15, widened to 16-bit words, input i's the low or high word of each dword.
+inline VF int8_input(const uint8_t* qs, int i) {
+    const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (i / 2) * 2 * kTile)));
+    return {_mm512_cvtepi32_ps(i % 2 ? _mm512_srai_epi32(q, 16) : _mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16))};
+}
 template <int WT>
 inline void unpack_f32(const uint8_t* qs, VF* w) {
     if constexpr (WT == kQ4) {
@@ -176,18 +182,11 @@ inline void unpack_f32(const uint8_t* qs, VF* w) {
             w[2 * p + 1].v = _mm512_castsi512_ps(_mm512_and_si512(pv[p], _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
         }
     } else {
-        for (int p = 0; p < kPairs; ++p) {
-            // 32 int8: (q[c][2p], q[c][2p+1]) for c = 0..15
-            const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 2 * kTile)));
-            w[2 * p].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16));
-            w[2 * p + 1].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(q, 16));
+        for (int p = 0; p < kPairs; ++p) {  // (both before the stores, which may alias qs: one load of the pair)
+            const VF even = int8_input(qs, 2 * p), odd = int8_input(qs, 2 * p + 1);
+            w[2 * p] = even, w[2 * p + 1] = odd;
         }
     }
-}
-// int8 q: input i's 16 weights as float32 (exact), straight from the record's q.
-inline VF int8_input(const uint8_t* qs, int i) {
-    const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (i / 2) * 2 * kTile)));
-    return {_mm512_cvtepi32_ps(i % 2 ? _mm512_srai_epi32(q, 16) : _mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16))};
 }
 #elif defined(BRINE_SIMD_AVX2)
 // As the AVX512 unpacking, on 256-bit halves: bytes 0-31 of a chunk are columns 0-7 (its first two 128-bit
@@ -207,42 +206,7 @@ inline void q4_chunk(const uint8_t* qs, int j, __m256i (*pv)[2]) {
             pv[2 * h + 1][s] = _mm256_unpackhi_epi8(lo, hi);
         }
 }
-template <int WT>
-inline void unpack_f32(const uint8_t* qs, VF* w) {
-    if constexpr (WT == kQ4) {
-        const __m256i table_lo = _mm256_broadcastsi128_si256(bf16_table_lo());
-        const __m256i table_hi = _mm256_broadcastsi128_si256(bf16_table_hi());
-        const __m256i low4 = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-        for (int j = 0; j < 4; ++j) {
-            const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j)),
-                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32))};
-            for (int h = 0; h < 2; ++h) {
-                __m256i pv[2][2];  // [byte half t][columns 0-7, 8-15]
-                for (int s = 0; s < 2; ++s) {
-                    const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(v[s], 4) : v[s], low4);
-                    const __m256i lo = _mm256_shuffle_epi8(table_lo, nib), hi = _mm256_shuffle_epi8(table_hi, nib);
-                    pv[0][s] = _mm256_unpacklo_epi8(lo, hi);
-                    pv[1][s] = _mm256_unpackhi_epi8(lo, hi);
-                }
-                for (int t = 0; t < 2; ++t) {
-                    const int p = 4 * j + 2 * h + t;
-                    w[2 * p] = {_mm256_castsi256_ps(_mm256_slli_epi32(pv[t][0], 16)),
-                                _mm256_castsi256_ps(_mm256_slli_epi32(pv[t][1], 16))};
-                    w[2 * p + 1] = {_mm256_castsi256_ps(_mm256_and_si256(pv[t][0], high)),
-                                    _mm256_castsi256_ps(_mm256_and_si256(pv[t][1], high))};
-                }
-            }
-        }
-    } else {
-        for (int p = 0; p < kPairs; ++p) {
-            const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + p * 2 * kTile)));
-            const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + p * 2 * kTile + 16)));
-            w[2 * p] = {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16)),
-                        _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 16))};
-            w[2 * p + 1] = {_mm256_cvtepi32_ps(_mm256_srai_epi32(a, 16)), _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 16))};
-        }
-    }
-}
+// int8 q: input i's 16 weights as float32 (exact), as the AVX512 one, columns 0-7 and 8-15 apart.
 inline VF int8_input(const uint8_t* qs, int i) {
     const uint8_t* at = qs + (i / 2) * 2 * kTile;
     const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
@@ -250,6 +214,28 @@ inline VF int8_input(const uint8_t* qs, int i) {
     if (i % 2) return {_mm256_cvtepi32_ps(_mm256_srai_epi32(a, 16)), _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 16))};
     return {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16)),
             _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 16))};
+}
+template <int WT>
+inline void unpack_f32(const uint8_t* qs, VF* w) {
+    if constexpr (WT == kQ4) {
+        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+        for (int j = 0; j < 4; ++j) {
+            __m256i pv[4][2];
+            q4_chunk(qs, j, pv);
+            for (int t = 0; t < 4; ++t) {  // exact: q's bfloat16 widened
+                const int p = 4 * j + t;
+                w[2 * p] = {_mm256_castsi256_ps(_mm256_slli_epi32(pv[t][0], 16)),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(pv[t][1], 16))};
+                w[2 * p + 1] = {_mm256_castsi256_ps(_mm256_and_si256(pv[t][0], high)),
+                                _mm256_castsi256_ps(_mm256_and_si256(pv[t][1], high))};
+            }
+        }
+    } else {
+        for (int p = 0; p < kPairs; ++p) {  // (both before the stores, which may alias qs: one load of the pair)
+            const VF even = int8_input(qs, 2 * p), odd = int8_input(qs, 2 * p + 1);
+            w[2 * p] = even, w[2 * p + 1] = odd;
+        }
+    }
 }
 #else
 // The layout read with GNU vectors of 16 bytes (simd.h's portable VF: NEON's or SSE's registers, whatever the
