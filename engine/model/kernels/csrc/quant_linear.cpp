@@ -172,21 +172,13 @@ inline VF int8_input(const uint8_t* qs, int i) {
     const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (i / 2) * 2 * kTile)));
     return {_mm512_cvtepi32_ps(i % 2 ? _mm512_srai_epi32(q, 16) : _mm512_srai_epi32(_mm512_slli_epi32(q, 16), 16))};
 }
-template <int WT>
-inline void unpack_f32(const uint8_t* qs, VF* w) {
-    if constexpr (WT == kQ4) {
-        __m512i pv[kPairs];
-        q4_pairs(qs, pv);
-        for (int p = 0; p < kPairs; ++p) {  // exact: q's bfloat16 widened
-            w[2 * p].v = _mm512_castsi512_ps(_mm512_slli_epi32(pv[p], 16));
-            w[2 * p + 1].v = _mm512_castsi512_ps(_mm512_and_si512(pv[p], _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-        }
-    } else {
-        for (int p = 0; p < kPairs; ++p) {  // (both before the stores, which may alias qs: one load of the pair)
-            const VF even = int8_input(qs, 2 * p), odd = int8_input(qs, 2 * p + 1);
-            w[2 * p] = even, w[2 * p + 1] = odd;
-        }
-    }
+// A chunk's four pair vectors (q4_chunk), and its input j (0-7) as float32: the low (even j) or high (odd j)
+// bfloat16 of pair j / 2, widened (exact).
+using Q4Chunk = __m512i[4];
+inline VF q4_input(const __m512i* pv, int j) {
+    const __m512i v = pv[j / 2];
+    return {_mm512_castsi512_ps(j % 2 ? _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))
+                                      : _mm512_slli_epi32(v, 16))};
 }
 #elif defined(BRINE_SIMD_AVX2)
 // As the AVX512 unpacking, on 256-bit halves: bytes 0-31 of a chunk are columns 0-7 (its first two 128-bit
@@ -215,23 +207,29 @@ inline VF int8_input(const uint8_t* qs, int i) {
     return {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16)),
             _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 16))};
 }
+// As the AVX512 ones: a chunk's pairs [pair][columns 0-7, 8-15], and its input j widened.
+using Q4Chunk = __m256i[4][2];
+inline VF q4_input(const __m256i (*pv)[2], int j) {
+    const __m256i* v = pv[j / 2];
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    if (j % 2)
+        return {_mm256_castsi256_ps(_mm256_and_si256(v[0], high)), _mm256_castsi256_ps(_mm256_and_si256(v[1], high))};
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(v[0], 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v[1], 16))};
+}
+#endif
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+// A whole record's 32 inputs as float32 vectors (exact), w[i] for input i: chunk by chunk (4-bit q), or pair by
+// pair (int8 q; both inputs before the stores, which may alias qs, so that the pair is loaded once).
 template <int WT>
 inline void unpack_f32(const uint8_t* qs, VF* w) {
     if constexpr (WT == kQ4) {
-        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-        for (int j = 0; j < 4; ++j) {
-            __m256i pv[4][2];
-            q4_chunk(qs, j, pv);
-            for (int t = 0; t < 4; ++t) {  // exact: q's bfloat16 widened
-                const int p = 4 * j + t;
-                w[2 * p] = {_mm256_castsi256_ps(_mm256_slli_epi32(pv[t][0], 16)),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(pv[t][1], 16))};
-                w[2 * p + 1] = {_mm256_castsi256_ps(_mm256_and_si256(pv[t][0], high)),
-                                _mm256_castsi256_ps(_mm256_and_si256(pv[t][1], high))};
-            }
+        for (int c = 0; c < 4; ++c) {
+            Q4Chunk pv;
+            q4_chunk(qs, c, pv);
+            for (int j = 0; j < 8; ++j) w[8 * c + j] = q4_input(pv, j);
         }
     } else {
-        for (int p = 0; p < kPairs; ++p) {  // (both before the stores, which may alias qs: one load of the pair)
+        for (int p = 0; p < kPairs; ++p) {
             const VF even = int8_input(qs, 2 * p), odd = int8_input(qs, 2 * p + 1);
             w[2 * p] = even, w[2 * p + 1] = odd;
         }
@@ -718,33 +716,14 @@ __attribute__((always_inline)) inline void chunked_blocks(const Args& a, const u
             [&](int i, int, int j) { return pv[i][j]; }, scales, total);
 #endif
     } else if constexpr (WT == kQ4) {  // (int8: input by input, int8_input)
-#if defined(BRINE_SIMD_AVX512)
-        __m512i pv[NB][4];
-        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+#if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
+        Q4Chunk pv[NB];  // the NB blocks' pairs of one chunk
         dot_f32<R, NB, true>(
             a, at,
             [&](int c) {
                 for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
             },
-            [&](int i, int, int j) {  // input 8c + j: the low (even) or high (odd) bfloat16 of its pair, widened
-                const __m512i v = pv[i][j / 2];
-                return VF{_mm512_castsi512_ps(j % 2 ? _mm512_and_si512(v, high) : _mm512_slli_epi32(v, 16))};
-            },
-            scales, total);
-#elif defined(BRINE_SIMD_AVX2)
-        __m256i pv[NB][4][2];  // [block][pair][columns 0-7, 8-15]
-        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-        dot_f32<R, NB, true>(
-            a, at,
-            [&](int c) {
-                for (int i = 0; i < NB; ++i) q4_chunk(qs + i * bytes, c, pv[i]);
-            },
-            [&](int i, int, int j) {
-                const __m256i* v = pv[i][j / 2];
-                if (j % 2) return VF{_mm256_castsi256_ps(_mm256_and_si256(v[0], high)), _mm256_castsi256_ps(_mm256_and_si256(v[1], high))};
-                return VF{_mm256_castsi256_ps(_mm256_slli_epi32(v[0], 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v[1], 16))};
-            },
-            scales, total);
+            [&](int i, int, int j) { return q4_input(pv[i], j); }, scales, total);
 #endif
     } else {
 #if defined(BRINE_SIMD_AVX512) || defined(BRINE_SIMD_AVX2)
