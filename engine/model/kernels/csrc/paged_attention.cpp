@@ -486,6 +486,7 @@ struct Bf16Work {
     int kvh = 0, G = 0, R = 0, RP = 0, span = 0;
     std::vector<uint32_t> qpairs;  // [RP][DC / 2] query dimension pairs (pad rows 0)
     std::vector<float> sc;         // [RP][span] every score of the item
+    // The whole unit's row state, made by scores() (mx) and values() (ls, acc); run_bf16_shared keeps its own.
     std::vector<float> acc;        // [RP][DC] weighted sums of values; a chunk's 32 columns in unpack order
     std::vector<float> mx;         // [R][16] max per key lane, then each row's max in lane 0
     std::vector<float> ls;         // [R][16] sums of weights per key lane
@@ -507,9 +508,6 @@ struct Bf16Work {
                             static_cast<const uint16_t*>(a.q) + qo, DC * 2);
             }
         sc.resize(static_cast<size_t>(RP) * span);
-        acc.assign(static_cast<size_t>(RP) * DC, 0.0f);
-        mx.assign(static_cast<size_t>(R) * 16, -INFINITY);
-        ls.assign(static_cast<size_t>(R) * 16, 0.0f);
     }
 
     int64_t base(const Args& a, int b) const { return (static_cast<int64_t>(ik.table[b]) * 16 * a.kv_heads + kvh) * DC; }
@@ -550,7 +548,7 @@ struct Bf16Work {
         _tile_dpbf16ps(7, 4, 5);
     }
 
-    void kept_sums_in() {  // acc is all zeros (reset)
+    void kept_sums_in() {  // acc is all zeros (values)
         _tile_zero(0);
         _tile_zero(3);
         _tile_zero(6);
@@ -655,6 +653,7 @@ struct Bf16Work {
 
     // Pass 1: scores, two blocks at a time, then each row's max per lane, then per row.
     void scores(const Args& a) {
+        mx.assign(static_cast<size_t>(R) * 16, -INFINITY);
         scores_of(a, ik.b_lo, ik.b_hi, mx.data());
         row_max(mx.data());
     }
@@ -737,7 +736,11 @@ struct Bf16Work {
     }
 
     // Pass 2: weights (into the lane sums) and weights x values, rows four at a time; then the outputs.
-    void values(const Args& a) { values_of<DC / 32>(a, 0, mx.data(), ls.data(), acc.data()); }
+    void values(const Args& a) {
+        ls.assign(static_cast<size_t>(R) * 16, 0.0f);
+        acc.assign(static_cast<size_t>(RP) * DC, 0.0f);
+        values_of<DC / 32>(a, 0, mx.data(), ls.data(), acc.data());
+    }
 
     // Pass 2 for the output dimensions of chunks [c0, c0 + NCS) of 32 (all of them: NCS = DC / 32), from each
     // row's max in mxs[r * 16], with the lane sums in lss ([R][16], zeros) and the value sums in accs ([RP][DC],
