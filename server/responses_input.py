@@ -23,7 +23,6 @@ from server.responses_protocol import ResponsesRequest
 
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -43,7 +42,14 @@ def _text(content: Any, where: str) -> str:
     texts: list[str] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        key = "text" if kind in _TEXT_PARTS else "refusal" if kind == "refusal" else None
+        # (isinstance first: a list or an object cannot be looked up in a set)
+        key = (
+            "text"
+            if isinstance(kind, str) and kind in _TEXT_PARTS
+            else "refusal"
+            if kind == "refusal"
+            else None
+        )
         value = part.get(key) if key is not None and isinstance(part, dict) else None
         if not isinstance(value, str):
             raise bad_request(
@@ -71,7 +77,7 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise bad_request(
                     f"{where}.role must be one of user, system, developer and assistant.", "input"
                 )

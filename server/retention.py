@@ -49,8 +49,10 @@ def chat_breakpoint(req: ChatCompletionRequest) -> tuple[int, float] | None:
             ):
                 raise bad_request(f'{param} must be {{"type": "ephemeral"}} with an optional ttl.', param)
             ttl = control.get("ttl", "5m")
-            if ttl not in CACHE_CONTROL_TTL_S:
-                raise bad_request(f'{param}.ttl must be "5m" or "1h", got {ttl!r}.', f"{param}.ttl")
+            # (a list or an object is no key of the map: checked first, since it cannot be hashed; and the
+            # value is never repeated back, as server.errors says)
+            if not isinstance(ttl, str) or ttl not in CACHE_CONTROL_TTL_S:
+                raise bad_request(f'{param}.ttl must be "5m" or "1h".', f"{param}.ttl")
             seconds = CACHE_CONTROL_TTL_S[ttl]
             found = (i, max(seconds, found[1]) if found else seconds)
     return found

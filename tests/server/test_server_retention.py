@@ -49,15 +49,18 @@ def test_unknown_retention_values_are_400s_naming_the_field(client: TestClient) 
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_retention", route
     for control, param in (
         ({"type": "ephemeral", "ttl": "2h"}, "messages[0].content[0].cache_control.ttl"),
+        ({"type": "ephemeral", "ttl": [1]}, "messages[0].content[0].cache_control.ttl"),  # once a 500
+        ({"type": "ephemeral", "ttl": {"a": 1}}, "messages[0].content[0].cache_control.ttl"),
+        ({"type": "ephemeral", "ttl": "SECRET"}, "messages[0].content[0].cache_control.ttl"),
         ({"type": "persistent"}, "messages[0].content[0].cache_control"),
         ({"type": "ephemeral", "scope": "x"}, "messages[0].content[0].cache_control"),
         ("5m", "messages[0].content[0].cache_control"),
     ):
         part = {"type": "text", "text": "doc", "cache_control": control}
-        r = client.post(
-            "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": [part]}]}
-        )
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, control
+        for route in ("/v1/chat/completions", "/v1/chat/completions/render"):
+            r = client.post(route, json={**CHAT, "messages": [{"role": "user", "content": [part]}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, control)
+            assert "SECRET" not in r.text  # a field's value is never repeated back (server.errors)
 
 
 def test_cache_control_on_chat_retains_up_to_the_marked_message(
