@@ -22,7 +22,7 @@ from server.auth import ApiKeyMiddleware
 from server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
 from server.cache_routes import install_cache_routes
 from server.engine_client import EngineClient
-from server.errors import engine_not_running, install_error_handlers
+from server.errors import UnexpectedErrorMiddleware, engine_not_running, install_error_handlers
 from server.generation import ClientDisconnected
 from server.inflight import InflightLimiter
 from server.limits import RequestLimits
@@ -115,6 +115,7 @@ def _install_middleware(
     # /detokenize's body is bounded by its token limit (12 bytes an id, at most: 10 digits and ", "), so a body
     # far past it is refused before FastAPI parses it on the event loop.
     detokenize_bytes = min(max_body_bytes, 4096 + 12 * app.state.limits.max_detokenize_tokens)
+    app.add_middleware(UnexpectedErrorMiddleware)  # first = innermost (server.errors says why)
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=max_body_bytes, path_limits={"/detokenize": detokenize_bytes}
     )

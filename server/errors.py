@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import ContextLengthError
 
@@ -146,7 +147,44 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # A bug or an engine failure, never the client's input: log the traceback (the message of an
-        # exception raised deep inside may contain request data, so it is not sent back).
-        logger.exception("unhandled error while serving a request")
-        return JSONResponse(error_body("internal server error", type=SERVER_ERROR), status_code=500)
+        # What UnexpectedErrorMiddleware cannot take: an exception raised in a middleware outside it.
+        return _log_unexpected()
+
+
+def _log_unexpected() -> JSONResponse:
+    # A bug or an engine failure, never the client's input: log the traceback (the message of an exception
+    # raised deep inside may contain request data, so it is not sent back).
+    logger.exception("unhandled error while serving a request")
+    return JSONResponse(error_body("internal server error", type=SERVER_ERROR), status_code=500)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an exception that no handler took with the 500 error body, and ends the request there.
+
+    Why not only the `Exception` handler: Starlette runs that one in its outermost middleware, which sends the
+    500 and then raises the exception again, to the server; uvicorn then closes the connection under a
+    response it had sent as keep-alive, and a pooled client's next request on it, another and maybe valid one,
+    failed with a connection reset. Installed innermost among the middlewares, so that the Messages routes'
+    rewriting (server.messages_errors) still gives their 500 Anthropic's shape. A response already under way
+    (a stream) cannot become a 500: that exception goes on, and its connection closes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            if started:
+                raise
+            await _log_unexpected()(scope, receive, send)
