@@ -485,14 +485,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        # A grammar that has ended (it accepted a stop token) ends the output even short of min_tokens: the
-        # sampler let it choose the stop token because nothing else was allowed.
+        # A grammar that has ended (it accepted a stop token) ends the output even short of min_tokens, and
+        # under ignore_eos: the sampler let it choose the stop token because nothing else was allowed, and past
+        # it the grammar constrains nothing (ignore_eos once let a guided_choice ["a"] go on "a\nassistant...").
         grammar_ended = req.grammar is not None and not req.grammar.active and not req.grammar.rejected
         if req.num_output_tokens >= params.min_tokens or grammar_ended:
             if token in params.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in self.eos_token_ids:
+            if (grammar_ended or not params.ignore_eos) and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

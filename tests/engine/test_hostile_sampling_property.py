@@ -141,3 +141,28 @@ def test_the_reported_attacks_fail_alone_and_the_engine_stays_up(engine, prompts
     assert kill_error is not None and "no token could be sampled" in kill_error
     assert choice_error is None and engine.tokenizer.decode(choice_tokens) == "a"
     assert answer == alone and engine.is_healthy()
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "allowed"), [("choice", '["a"]', {"a"}), ("regex", "[0-9]{2}", None)]
+)
+def test_a_grammar_that_has_ended_ends_the_output_even_under_ignore_eos(
+    engine, prompts, kind, spec, allowed
+) -> None:
+    """ignore_eos keeps a free output going past EOS; a constrained one has nothing left once its grammar
+    accepted EOS, and went on unconstrained (guided_choice ["a"] answered "a\nassistant\nThe": a probe found it).
+    The same under min_tokens, which a grammar that can only end overrides (test_sampler_hostile)."""
+    _, prompt, _ = prompts
+    for min_tokens in (0, 4):
+        params = SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            min_tokens=min_tokens,
+            max_tokens=12,
+            structured=StructuredOutputSpec(kind, spec),
+        )
+        tokens, _, error = asyncio.run(_run(engine, prompt, params))
+        text = engine.tokenizer.decode(tokens)
+        assert error is None and len(tokens) < params.max_tokens, (text, tokens)
+        assert text in allowed if allowed else len(text) == 2 and text.isdigit(), text
+    assert engine.num_used_blocks() == 0
