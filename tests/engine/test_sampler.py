@@ -329,3 +329,30 @@ def test_tied_alternatives_come_in_token_order_whatever_k_the_step_asks_for():
     beside = token_logprobs(batch, torch.tensor([0, 7, 0, 0]), 2)
     assert beside.top_ids[1].tolist() == [7, 19]
     assert bool((wide.top_vals[0, :-1] >= wide.top_vals[0, 1:]).all())
+
+
+def test_many_rows_of_logprobs_are_taken_in_parts_with_each_rows_own_numbers(monkeypatch: pytest.MonkeyPatch):
+    """A prefill chunk's prompt logprobs (up to 2,048 rows x the vocabulary) are taken a few rows at a time, so
+    that their temporaries stay small (sampler._CPU_ELEMENTS: whole, they were page-faulted GBs that held every
+    other request of the step). A row's logprob, alternatives and their order are the same in any part, as a
+    row's are beside any neighbours; parts that do not divide the rows lose none and repeat none."""
+    from engine.sampler import _token_logprobs, token_logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(37, 1000, generator=gen).to(torch.bfloat16)  # bfloat16: ties, as real logits have
+    targets = torch.randint(0, 1000, (37,), generator=gen)
+    whole = _token_logprobs(logits, targets, 5)
+    monkeypatch.setattr(sampler_module, "_CPU_ELEMENTS", 8 * 1000)  # parts of 8 rows: 8, 8, 8, 8 and 5
+    parts = token_logprobs(logits, targets, 5)
+    for got, want in (
+        (parts.chosen, whole.chosen),
+        (parts.top_ids, whole.top_ids),
+        (parts.top_vals, whole.top_vals),
+    ):
+        assert got.shape == want.shape and torch.equal(got, want)
+    for i in (0, 8, 36):  # one row alone
+        alone = _token_logprobs(logits[i : i + 1], targets[i : i + 1], 5)
+        assert torch.equal(alone.top_ids[0], parts.top_ids[i]) and torch.equal(
+            alone.chosen[0], parts.chosen[i]
+        )
+    assert token_logprobs(logits, targets, 0).top_ids.shape == (37, 0)
