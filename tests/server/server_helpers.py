@@ -41,3 +41,21 @@ def assert_error(response: Any, status: int, param: str | None = None, code: str
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+def http_scope(method: str, path: str, headers: list[tuple[bytes, bytes]] | tuple = ()) -> dict[str, Any]:
+    """An ASGI HTTP scope, for driving the app without a server (what uvicorn would pass it)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), *headers],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }

@@ -203,7 +203,11 @@ def test_get_and_delete_a_stored_response(sdk: openai.OpenAI, client: TestClient
         ({"input": [{"role": ["user"], "content": "hi"}]}, "input", None),
         ({"input": [{"role": {"a": 1}, "content": "hi"}]}, "input", None),
         ({"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]}]}, "input", None),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": [1]}]}]}, "input", None),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": [1]}]}]},
+            "input",
+            None,
+        ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input",

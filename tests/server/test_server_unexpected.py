@@ -17,7 +17,7 @@ import pytest
 from fake_engine import FakeEngine
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from server_helpers import MODEL
+from server_helpers import MODEL, http_scope
 
 from server import supervise
 from server.app import create_app
@@ -54,20 +54,7 @@ async def _get(app: FastAPI, path: str) -> list[dict]:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"test")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = http_scope("GET", path)
     await app(scope, receive, send)  # returns: nothing reaches the server to close the connection for
     return sent
 

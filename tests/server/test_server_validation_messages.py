@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
-from server_helpers import MODEL, chat_body, completion_body
+from server_helpers import MODEL, chat_body, completion_body, http_scope
 
 from engine.sampling_params import SamplingParams
 
@@ -315,20 +315,7 @@ def test_a_request_message_without_a_body_key_counts_as_empty(engine: FakeEngine
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": COMPLETIONS,
-        "raw_path": COMPLETIONS.encode(),
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-        "http_version": "1.1",
-        "scheme": "http",
-        "server": ("test", 80),
-        "client": ("test", 1),
-        "root_path": "",
-        "asgi": {"version": "3.0"},
-    }
+    scope = http_scope("POST", COMPLETIONS, [(b"content-type", b"application/json")])
     asyncio.run(app(scope, receive, send))
     assert sent[0]["status"] == 200
     assert json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["usage"]["prompt_tokens"] > 0
@@ -346,20 +333,7 @@ async def _asgi_post(app, chunks: list[bytes], headers: list[tuple[bytes, bytes]
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": COMPLETIONS,
-        "raw_path": COMPLETIONS.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test"), *headers],
-        "client": ("127.0.0.1", 1234),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = http_scope("POST", COMPLETIONS, [(b"content-type", b"application/json"), *headers])
     await app(scope, receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
