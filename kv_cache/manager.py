@@ -267,7 +267,8 @@ class KVCacheManager:
 
     def _retain(self, request: CacheRequest, blocks: list[int], hit: list[int]) -> None:
         """A hit refreshes the retained blocks it reads; a request asking for retention retains its cached
-        blocks up to its breakpoint (each block once: later steps only add the newly cached ones)."""
+        blocks up to its breakpoint, as one prompt (kv_cache.retention: its leading blocks are what a later
+        request can hit), whenever a step caches more of them."""
         now = self.clock()
         if hit:
             self.retention.refresh(hit, now)
@@ -279,7 +280,7 @@ class KVCacheManager:
         start = self._retained_upto.get(rid, 0)
         end = min(self._num_cached.get(rid, 0), num_tokens // self.block_size)
         if end > start:
-            self.retention.retain(blocks[start:end], request.hasher.namespace, ttl, now)
+            self.retention.retain(blocks[:end], request.hasher.namespace.holder, ttl, now)
             self._retained_upto[rid] = end
 
     def _cache_full_blocks(self, request: CacheRequest, blocks: list[int], num_full: int) -> None:

@@ -5,10 +5,18 @@ A retained block holds one reference of its own (so the free queue never sees it
 it), released when its TTL passes, when its hash is dropped (a reset, a tenant's reset), or when it yields
 to the caps:
 - a global cap, `max_blocks` (`--max-retained-fraction` of the pool);
-- a per-namespace share, the cap over the namespaces holding retained blocks: a namespace at its share that
-  retains one more block releases its own oldest; when the whole cap is taken, the namespace holding the
-  most yields its oldest. Alone, a namespace may use the whole cap; no namespace can pin the pool.
-Namespaces here are `CacheNamespace` values (never logged, never exported).
+- a per-holder share, the cap over the holders of retained blocks: a holder at its share that retains one
+  more block releases one of its own; when the whole cap is taken, the holder with the most yields one. Alone,
+  a holder may use the whole cap; no holder can pin the pool.
+A holder is whoever a share is counted for (`CacheNamespace.holder`: the tenant, else the gateway's value,
+else the salt), so a tenant's salts and adapters do not multiply its share. Never logged, never exported.
+
+What yields first: the deepest block of the holder's least recently used prompt. A prompt's blocks are only
+reachable from its first one on (each block's hash chains its parent's), so releasing a prompt's first block
+kept the rest pinned for nothing (a probe: a retained 41-block prompt got 0 tokens cached after one block of
+it yielded, and its 40 others stayed retained for their TTL). Each retained or hit prompt's blocks therefore
+move to the back in reverse order (its deepest block before its first), and a prompt that does not fit keeps
+its leading blocks: the one that found no room and those after it are not retained.
 
 Rule a caller keeps: every reference `retain` takes is released exactly once, by this table.
 """
@@ -16,7 +24,7 @@ Rule a caller keeps: every reference `retain` takes is released exactly once, by
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kv_cache.block_pool import BlockPool
@@ -24,7 +32,7 @@ from kv_cache.block_pool import BlockPool
 
 @dataclass(slots=True)
 class _Held:
-    namespace: Hashable
+    holder: Hashable
     expires: float  # monotonic seconds
     ttl: float  # how long a hit keeps it from now
 
@@ -34,7 +42,7 @@ class RetentionTable:
         self.pool = pool
         self.max_blocks = max(0, max_blocks)
         self._held: dict[int, _Held] = {}
-        self._by_ns: dict[Hashable, OrderedDict[int, None]] = {}  # oldest retained first
+        self._by_ns: dict[Hashable, OrderedDict[int, None]] = {}  # per holder, in the order they yield
         self._next_expiry = float("inf")
         self.num_expiries = 0  # cumulative: TTLs that ran out
         self.num_yielded = 0  # cumulative: released early for a cap
@@ -45,48 +53,61 @@ class RetentionTable:
     def __contains__(self, block: int) -> bool:
         return block in self._held
 
-    def retain(self, blocks: Iterable[int], namespace: Hashable, ttl: float, now: float) -> None:
-        """Keep `blocks` (cached, in use by the caller) until now + ttl; already retained ones are refreshed."""
+    def retain(self, chain: Sequence[int], holder: Hashable, ttl: float, now: float) -> None:
+        """Keep a prompt's leading blocks `chain` (cached, in use by the caller, in the prompt's order) until
+        now + ttl; those already retained are refreshed. None of them yields to make room for another."""
         if self.max_blocks == 0 or ttl <= 0:
             return
         expires = now + ttl
-        for b in blocks:
+        protected = set(chain)
+        kept: list[int] = []
+        for b in chain:
             held = self._held.get(b)
-            if held is not None:
+            if held is None:
+                if not self._make_room(holder, protected):
+                    break  # the blocks after it are unreachable without it
+                self.pool.touch((b,))
+                self._held[b] = _Held(holder, expires, ttl)
+                self._by_ns.setdefault(holder, OrderedDict())[b] = None
+                self._next_expiry = min(self._next_expiry, expires)
+            else:
                 held.expires = max(held.expires, expires)
                 held.ttl = max(held.ttl, ttl)
-                self._by_ns[held.namespace].move_to_end(b)
-                continue
-            if not self._make_room(namespace):
-                continue
-            self.pool.touch((b,))
-            self._held[b] = _Held(namespace, expires, ttl)
-            self._by_ns.setdefault(namespace, OrderedDict())[b] = None
-            self._next_expiry = min(self._next_expiry, expires)
+            kept.append(b)
+        self._to_back(kept)
 
-    def _make_room(self, namespace: Hashable) -> bool:
-        mine = self._by_ns.get(namespace)
+    def _make_room(self, holder: Hashable, protected: set[int]) -> bool:
+        mine = self._by_ns.get(holder)
         holders = len(self._by_ns) + (0 if mine else 1)
         share = max(1, self.max_blocks // holders)
         if mine is not None and len(mine) >= share:
-            self._release(next(iter(mine)))  # past its share: its own oldest yields
-            self.num_yielded += 1
-            return True
+            return self._yield_from(mine, protected)  # past its share: one of its own yields
         if len(self._held) >= self.max_blocks:
-            biggest = max(self._by_ns.values(), key=len)
-            if mine is not None and biggest is mine:
-                return False  # cannot happen after the share check; kept safe
-            self._release(next(iter(biggest)))
-            self.num_yielded += 1
+            # (not this holder's: under its share while the cap is taken, another holds more than a share)
+            return self._yield_from(max(self._by_ns.values(), key=len), protected)
         return True
 
+    def _yield_from(self, blocks: OrderedDict[int, None], protected: set[int]) -> bool:
+        victim = next((b for b in blocks if b not in protected), None)
+        if victim is None:
+            return False  # all of it is the prompt being retained
+        self._release(victim)
+        self.num_yielded += 1
+        return True
+
+    def _to_back(self, chain: list[int]) -> None:
+        """The prompt `chain` was just used: its blocks yield last, and its deepest before its first."""
+        for b in reversed(chain):
+            self._by_ns[self._held[b].holder].move_to_end(b)
+
     def refresh(self, blocks: Iterable[int], now: float) -> None:
-        """A hit on retained blocks: each one's TTL starts again (by its own length)."""
-        for b in blocks:
-            held = self._held.get(b)
-            if held is not None:
-                held.expires = max(held.expires, now + held.ttl)
-                self._by_ns[held.namespace].move_to_end(b)
+        """A hit on a prompt's leading blocks (in order): each retained one's TTL starts again (by its own
+        length)."""
+        hit = [b for b in blocks if b in self._held]
+        for b in hit:
+            held = self._held[b]
+            held.expires = max(held.expires, now + held.ttl)
+        self._to_back(hit)
 
     def expire(self, now: float) -> int:
         """Release every block whose TTL has passed; returns how many. Costs nothing until the earliest
@@ -108,13 +129,11 @@ class RetentionTable:
         return len(gone)
 
     def yield_blocks(self, n: int) -> bool:
-        """Release up to `n` retained blocks (the largest holder's oldest first) for an admission that could
-        not happen otherwise; True if any was released."""
+        """Release up to `n` retained blocks (the largest holder's, in the order they yield) for an admission
+        that could not happen otherwise; True if any was released."""
         released = 0
         while released < n and self._held:
-            biggest = max(self._by_ns.values(), key=len)
-            self._release(next(iter(biggest)))
-            self.num_yielded += 1
+            self._yield_from(max(self._by_ns.values(), key=len), set())
             released += 1
         return released > 0
 
@@ -124,15 +143,15 @@ class RetentionTable:
 
     def _release(self, b: int) -> None:
         held = self._held.pop(b)
-        mine = self._by_ns[held.namespace]
+        mine = self._by_ns[held.holder]
         del mine[b]
         if not mine:
-            del self._by_ns[held.namespace]
+            del self._by_ns[held.holder]
         self.pool.free((b,))
 
     def held(self) -> list[list[int]]:
         """One list per retained block (its reference), for check_invariants."""
         return [[b] for b in self._held]
 
-    def count(self, namespace: Hashable) -> int:
-        return len(self._by_ns.get(namespace, ()))
+    def count(self, holder: Hashable) -> int:
+        return len(self._by_ns.get(holder, ()))
