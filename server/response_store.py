@@ -9,8 +9,11 @@ Rules kept here:
 - an entry is visible only to a lookup with the namespace it was stored under (tenant, gateway header and
   `cache_salt` all equal): any other namespace, a missing id, an expired or an evicted entry look the same
   (None), so a caller learns nothing about responses that are not its own;
-- at most `max_entries` entries and `max_bytes` of their JSON, the oldest evicted first; an entry larger than
-  `max_bytes` alone is not kept;
+- at most `max_entries` entries and `max_bytes` of their JSON in all; past either, the holder storing the most
+  of it (`CacheNamespace.holder`: the tenant, else the gateway's value, else the salt) loses its oldest entry,
+  so a tenant that floods the store evicts its own responses, never another's while it holds more (a probe's
+  10,000 requests from one tenant evicted another tenant's stored response when the oldest went first); an
+  entry larger than `max_bytes` alone is not kept;
 - an entry older than `ttl_s` seconds is gone (checked on access and on every store).
 """
 
@@ -20,8 +23,8 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_cache.namespace import CacheNamespace
@@ -43,6 +46,18 @@ class StoredResponse:
     size: int  # bytes of JSON, for the bound
 
 
+@dataclass(slots=True)
+class _Holder:
+    """One holder's entries, oldest first, and their bytes."""
+
+    ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    bytes: int = 0
+
+
+def _holder(namespace: CacheNamespace | None) -> Hashable:
+    return (namespace or CacheNamespace()).holder
+
+
 class ResponseStore:
     """Thread-safe (routes run on the event loop, tests may call it from anywhere)."""
 
@@ -53,6 +68,7 @@ class ResponseStore:
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        self._holders: dict[Hashable, _Holder] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -81,9 +97,18 @@ class ResponseStore:
             self._drop(response_id)
             self._entries[response_id] = StoredResponse(namespace, response, items, now, size)
             self._bytes += size
-            while len(self._entries) > self.limits.max_entries or self._bytes > self.limits.max_bytes:
-                self._drop(next(iter(self._entries)))
+            holder = self._holders.setdefault(_holder(namespace), _Holder())
+            holder.ids[response_id] = None
+            holder.bytes += size
+            while len(self._entries) > self.limits.max_entries:
+                self._drop(self._oldest_of(lambda h: len(h.ids)))
+            while self._bytes > self.limits.max_bytes:
+                self._drop(self._oldest_of(lambda h: h.bytes))
         return True
+
+    def _oldest_of(self, measure: Callable[[_Holder], int]) -> str:
+        """The oldest entry of the holder with the most by `measure`."""
+        return next(iter(max(self._holders.values(), key=measure).ids))
 
     def get(self, response_id: str, namespace: CacheNamespace | None) -> StoredResponse | None:
         """The entry, if it exists and belongs to `namespace`."""
@@ -102,6 +127,7 @@ class ResponseStore:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+            self._holders.clear()
 
     def _visible(self, response_id: str, namespace: CacheNamespace | None) -> StoredResponse | None:
         self._expire(self._clock())
@@ -123,3 +149,9 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
             self._bytes -= entry.size
+            key = _holder(entry.namespace)
+            holder = self._holders[key]
+            del holder.ids[response_id]
+            holder.bytes -= entry.size
+            if not holder.ids:
+                del self._holders[key]

@@ -131,3 +131,29 @@ def test_a_namespace_sees_only_its_own_entries() -> None:
     ):
         assert store.get("r", other) is None and not store.delete("r", other)
     assert store.delete("r", CacheNamespace(tenant="acme", salt="s")) and len(store) == 0
+
+
+def test_a_tenant_that_floods_the_store_evicts_its_own_responses_not_anothers() -> None:
+    """Past the bound the holder storing the most gives up its oldest: a probe's 10,000 stored responses from
+    one tenant evicted another tenant's one when the store's oldest went first. A tenant's salts are one
+    holder, so rotating them does not help it; and the bytes bound is held the same way."""
+    now = [0.0]
+    store = ResponseStore(StoreLimits(max_entries=4, max_bytes=10_000, ttl_s=60), clock=lambda: now[0])
+    victim = CacheNamespace(tenant="globex")
+    assert store.put("theirs", victim, {"id": "theirs"}, [])
+    for i in range(20):
+        now[0] += 1
+        assert store.put(f"flood{i}", CacheNamespace(tenant="acme", salt=f"s{i % 3}"), {"id": f"f{i}"}, [])
+    assert store.get("theirs", victim) is not None and len(store) == 4
+    flood = [f"flood{i}" for i in range(20)]  # acme kept its newest three
+    assert [
+        i for i in flood if store.get(i, CacheNamespace(tenant="acme", salt=f"s{int(i[5:]) % 3}"))
+    ] == flood[-3:]
+
+    by_bytes = ResponseStore(StoreLimits(max_entries=100, max_bytes=600), clock=lambda: now[0])
+    assert by_bytes.put("small", victim, {"id": "small"}, [])
+    for i in range(5):
+        assert by_bytes.put(f"big{i}", CacheNamespace(tenant="acme"), {"id": "x" * 150}, [])
+    assert by_bytes.get("small", victim) is not None and by_bytes.num_bytes <= 600
+    assert by_bytes.get("big4", CacheNamespace(tenant="acme")) is not None
+    assert by_bytes.get("big0", CacheNamespace(tenant="acme")) is None
