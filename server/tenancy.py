@@ -50,7 +50,12 @@ def _gateway_value(request: Request, config: TenancyConfig, required: bool) -> s
     header = config.salt_header
     if header is None:
         return None
-    value = request.headers.get(header)
+    values = request.headers.getlist(header)
+    if len(values) > 1:
+        # Which one would be the gateway's? A gateway that appends its header instead of replacing the
+        # client's would let the client pick the namespace, if the first one won (as it did).
+        raise bad_request(f"The {header} header must be sent once.", param=header, code="invalid_header")
+    value = values[0] if values else None
     if value is None:
         if required:
             raise bad_request(

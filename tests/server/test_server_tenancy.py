@@ -149,6 +149,10 @@ def test_gateway_header_sets_the_namespace(engine: FakeEngine) -> None:
             r = client.post(path, json=body, headers={**bearer(OPERATOR), **headers})
             err = assert_error(r, 400, param="x-brine-tenant", code=code)
             assert "xxxx" not in err["message"]
+    # Sent twice (a gateway that appends its header to the client's): neither is trusted; once the first won.
+    twice = [*bearer(OPERATOR).items(), ("X-Brine-Tenant", "team-1"), ("x-brine-tenant", "team-7")]
+    r = client.post("/v1/completions", json=completion_body(), headers=twice)
+    assert "team" not in assert_error(r, 400, param="x-brine-tenant", code="invalid_header")["message"]
     # With the header, a reset is the gateway tenant's own; without it, the operator's global one.
     r = client.post("/reset_prefix_cache", headers={**bearer(OPERATOR), "X-Brine-Tenant": "team-7"})
     assert r.status_code == 200 and "forgotten_blocks" in r.json()
