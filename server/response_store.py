@@ -87,7 +87,8 @@ class ResponseStore:
         response: dict[str, Any],
         items: list[dict[str, Any]],
     ) -> bool:
-        """Keep a response; False when it alone is larger than the bound (then nothing is kept)."""
+        """Keep a response; False when it is not kept (larger than the bound alone, or its own holder's
+        oldest once the bound is made)."""
         size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(items, ensure_ascii=False))
         if size > self.limits.max_bytes or self.limits.max_entries < 1:
             return False
@@ -104,7 +105,7 @@ class ResponseStore:
                 self._drop(self._oldest_of(lambda h: len(h.ids)))
             while self._bytes > self.limits.max_bytes:
                 self._drop(self._oldest_of(lambda h: h.bytes))
-        return True
+            return response_id in self._entries
 
     def _oldest_of(self, measure: Callable[[_Holder], int]) -> str:
         """The oldest entry of the holder with the most by `measure`."""

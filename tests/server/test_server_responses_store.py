@@ -157,3 +157,9 @@ def test_a_tenant_that_floods_the_store_evicts_its_own_responses_not_anothers() 
     assert by_bytes.get("small", victim) is not None and by_bytes.num_bytes <= 600
     assert by_bytes.get("big4", CacheNamespace(tenant="acme")) is not None
     assert by_bytes.get("big0", CacheNamespace(tenant="acme")) is None
+    # A response that would make its own holder the largest is the one that goes: put says it was not kept.
+    initech = CacheNamespace(tenant="initech")
+    assert (
+        not by_bytes.put("bigger", initech, {"id": "y" * 440}, []) and by_bytes.get("bigger", initech) is None
+    )
+    assert by_bytes.get("small", victim) is not None and by_bytes.num_bytes <= 600
