@@ -9,8 +9,9 @@ docs/speculative-decoding.md:
 `disable_by_batch_size` (vLLM's name: no drafts in a step once this many sequences run) and
 `max_draft_tokens_per_step` (the drafts of one step together, so a batch whose step is compute-bound does not
 pay for drafts it cannot afford); and one about each request's drafts: `min_draft_acceptance`, the least
-chance of being accepted that a draft token must have (from the request's record) to be drafted, which is
-what a draft row costs over what a sequence's row of the step costs: "auto" (the default, also null) measures
+chance of being accepted that a request's first draft token must have (from the request's record) to be
+drafted (later ones need more: engine.spec_decode.SpecDecoder.num_drafts), which is what a draft row costs over
+what a sequence's row of the step costs: "auto" (the default, also null) measures
 that from the engine's own steps (engine.spec_cost), a number fixes it. Stdlib only: `brine --help` imports
 this.
 """

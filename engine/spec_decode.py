@@ -10,9 +10,11 @@ When to draft:
   matcher first);
 - K adapts per request, from what its drafts have done: the request keeps a running estimate of the chance
   that a draft token is accepted once the drafts before it were (its accepted drafts over the drafts it has
-  tested, the recent ones weighing most), and drafts the j-th token only while that chance to the power j,
-  the chance that the token is accepted at all, is at least the step's threshold: below it, a draft row
-  costs more than it is expected to save. The threshold is `min_draft_acceptance` where given, else what a
+  tested, the recent ones weighing most), and drafts the number of tokens that makes the most tokens per
+  unit of step cost (num_drafts): the j-th token is accepted at all with that chance to the power j, and its
+  row costs the step's threshold of a sequence's row, so the first is drafted while its chance is at least
+  the threshold (below it, a draft row costs more than it is expected to save) and a later one only while it
+  is likelier still. The threshold is `min_draft_acceptance` where given, else what a
   draft row measured to cost over a sequence's own row in this engine's recent steps of the same batch size
   (engine.spec_cost: on CPU from ~0.07 at one sequence on an AMX Xeon to ~0.3 at 16 on an EPYC;
   docs/speculative-decoding.md). A request whose drafts fail while even one
@@ -136,14 +138,21 @@ class SpecDecoder:
             self.cost.observe(num_seqs, num_drafts, seconds)
 
     def num_drafts(self, rate: float) -> int:
-        """How many tokens to draft at this per-token acceptance `rate`: the j-th is accepted with chance
-        rate ** j, and is drafted while that is at least the step's threshold (min_draft_acceptance, or what a
-        draft row measured to cost: engine.spec_cost; at least one: a probe, which `adapt` spaces out while it
-        keeps failing), at most num_speculative_tokens."""
+        """How many tokens to draft at this per-token acceptance `rate`: the K that makes the most tokens per
+        unit of step cost. A step with K drafts makes 1 + rate + .. + rate ** K tokens on average (the j-th is
+        accepted with chance rate ** j) for a cost of 1 + K c, c being the step's threshold (what a draft row
+        costs over a sequence's own row: min_draft_acceptance, or measured, engine.spec_cost). So the j-th is
+        drafted while rate ** j / c is at least the tokens per cost of the drafts before it: the first while
+        rate >= c, a later one only while it is likelier still. (Drafting every j with rate ** j >= c, as
+        before, maximised tokens minus cost, not tokens per cost: benchmarks/spec_replay.py over 16 answers,
+        steps priced at c = 0.29 as at 16 sequences on an AVX512-BF16 EPYC, 1.26x -> 1.32x median.) At least
+        one (a probe, which `adapt` spaces out while it keeps failing), at most num_speculative_tokens."""
         c = self.config
-        k, chance = 0, rate
-        while k < c.num_speculative_tokens and chance >= self.threshold:
+        k, chance, tokens, cost = 0, rate, 1.0, 1.0
+        while k < c.num_speculative_tokens and chance * cost >= self.threshold * tokens:
             k += 1
+            tokens += chance
+            cost += self.threshold
             chance *= rate
         return max(1, k)
 
