@@ -42,14 +42,8 @@ def _text(content: Any, where: str) -> str:
     texts: list[str] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        # (isinstance first: a list or an object cannot be looked up in a set)
-        key = (
-            "text"
-            if isinstance(kind, str) and kind in _TEXT_PARTS
-            else "refusal"
-            if kind == "refusal"
-            else None
-        )
+        kind = kind if isinstance(kind, str) else None  # (a list or an object cannot be looked up in a set)
+        key = "text" if kind in _TEXT_PARTS else "refusal" if kind == "refusal" else None
         value = part.get(key) if key is not None and isinstance(part, dict) else None
         if not isinstance(value, str):
             raise bad_request(
