@@ -59,15 +59,12 @@ def fair_share_key(namespace: CacheNamespace | None, group: str) -> str:
     namespace shares one fair share however many requests it sends; with no namespace, `group` (the API
     request: all its prompts and n sequences together). The tenant wins over the salt, so a tenant cannot
     buy more shares by rotating salts; with salt-only tenancy a client that rotates salts does get more.
-    The kinds are prefixed, so a salt can never take a tenant's share."""
-    if namespace is not None:
-        if namespace.tenant is not None:
-            return f"tenant:{namespace.tenant}"
-        if namespace.gateway is not None:
-            return f"gateway:{namespace.gateway}"
-        if namespace.salt is not None:
-            return f"salt:{namespace.salt}"
-    return group
+    The kinds are prefixed, so a salt can never take a tenant's share. The order is `CacheNamespace.holder`'s,
+    which the pool's retention and the responses store share by too."""
+    if namespace is None:
+        return group
+    kind, value = namespace.holder
+    return group if value is None else f"{kind}:{value}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,8 +64,8 @@ class CacheNamespace:
     @property
     def holder(self) -> tuple[str, str | None]:
         """Whom a share of a pooled resource (retained blocks: kv_cache.retention) is counted for: the tenant,
-        else the trusted gateway's value, else the salt (None: the unsalted namespace), as the scheduler's fair
-        shares are (engine.request.fair_share_key). Never the adapter, nor a tenant's salts: a tenant cannot
+        else the trusted gateway's value, else the salt (None: the unsalted namespace); the scheduler's fair
+        shares too (engine.request.fair_share_key). Never the adapter, nor a tenant's salts: a tenant cannot
         buy more shares by rotating them (with salt-only tenancy, a client that rotates salts does)."""
         return self.owner or ("cache_salt", self.salt)
 
