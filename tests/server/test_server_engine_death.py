@@ -4,53 +4,19 @@ restart it. An interrupt still returns 0."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 from fake_engine import FakeEngine
 from server_helpers import MODEL
+from server_thread import start_server
 
 from server import supervise
-from server.app import create_app
-from server.serve import log_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(engine: FakeEngine) -> tuple[threading.Thread, list[int], str]:
-    port = _free_port()
-    status: list[int] = []
-
-    def main() -> None:
-        app = create_app(engine)
-        status.append(
-            supervise.run(
-                app, engine, host="127.0.0.1", port=port, log_level="warning", log_config=log_config()
-            )
-        )
-
-    thread = threading.Thread(target=main, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return thread, status, url
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise AssertionError("the server did not start")
 
 
 def test_a_dead_engine_makes_the_server_exit_non_zero() -> None:
     engine = FakeEngine(model_name=MODEL)
-    thread, status, url = _start(engine)
+    thread, status, url = start_server(engine)
     engine.healthy = False  # what AsyncEngine's step thread does on a fault no request can be blamed for
     thread.join(timeout=supervise.DRAIN_S + 10)
     assert not thread.is_alive()
@@ -64,7 +30,7 @@ def test_a_dead_engine_makes_the_server_exit_non_zero() -> None:
 
 def test_health_is_503_while_dead_until_the_watcher_stops_the_server() -> None:
     engine = FakeEngine(model_name=MODEL)
-    thread, status, url = _start(engine)
+    thread, status, url = start_server(engine)
     engine.healthy = False
     seen = []
     deadline = time.monotonic() + 5

@@ -9,19 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 
-import httpx
 import pytest
 from fake_engine import FakeEngine
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from server_helpers import MODEL, http_scope
+from server_thread import start_server
 
 from server import supervise
 from server.app import create_app
-from server.serve import log_config
 
 SECRET = "the exception's own words"
 
@@ -77,12 +74,6 @@ def test_an_exception_inside_a_started_stream_still_reaches_the_server(engine: F
         asyncio.run(_get(_app(engine), "/boom-midway"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exchange(sock: socket.socket, path: str) -> bytes:
     """One GET on a kept-alive connection; the whole answer (its Content-Length), or what came before EOF."""
     sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
@@ -108,23 +99,8 @@ def _exchange(sock: socket.socket, path: str) -> bytes:
 
 def test_a_500_leaves_the_connection_open_for_the_next_request() -> None:
     engine = FakeEngine(model_name=MODEL)
-    port = _free_port()
-    app = _app(engine)
-    thread = threading.Thread(
-        target=supervise.run,
-        args=(app, engine),
-        kwargs={"host": "127.0.0.1", "port": port, "log_level": "critical", "log_config": log_config()},
-        daemon=True,
-    )
-    thread.start()
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
+    thread, _, url = start_server(engine, _app(engine))
+    port = int(url.rsplit(":", 1)[1])
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             first = _exchange(sock, "/boom")
